@@ -1,0 +1,1 @@
+"""Resource alarms: memory and disk watermarks, psutil probes, the watchdog."""

@@ -1,0 +1,1 @@
+"""The broker pipeline (reader, channel, queue, store), its supervisor, load generator and CLI."""
