@@ -1,0 +1,290 @@
+"""The queue: one process per AMQP queue.
+
+It acks a publish's credit on receipt (before enqueueing), then runs
+``deliver_or_enqueue``: straight to a consumer with prefetch room, else onto
+its backlog. Deliveries go to the consumer's reader over a ring that carries
+no credit; they are bounded by prefetch and by that ring's space. Persistent
+messages of ``QUEUE_INDEX_EMBED_MSGS_BELOW`` bytes or more in a durable queue
+are also written to the message store, spending store credit
+(``msg_store_credit_disc_bound``); while the store holds the queue blocked it
+keeps accepting deliveries but defers its grants to channels.
+
+Confirms go back to the publishing channel: at once for transient messages or
+any message to a non-durable queue, after the store reports the message on
+disk for those it wrote.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import struct
+import time
+
+from pamqp import commands
+
+from pipeline import wire
+from pipeline.amqp import frames
+from pipeline.channel import busy_wait_ns
+from pipeline.stage import Stage
+
+QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
+
+
+class Consumer:
+    __slots__ = ("ctag", "ctag_bytes", "channel", "reader", "link", "no_ack", "prefetch", "unacked")
+
+    def __init__(self, ctag: str, channel: int, reader: str, link, no_ack: bool, prefetch: int):
+        self.ctag = ctag
+        self.ctag_bytes = ctag.encode()
+        self.channel = channel
+        self.reader = reader
+        self.link = link
+        self.no_ack = no_ack
+        self.prefetch = prefetch
+        self.unacked = 0
+
+
+class Queue(Stage):
+    kind = "queue"
+
+    def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
+                 exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
+                 frame_max: int = 131072):
+        super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
+        self.queue = queue
+        self.queue_bytes = queue.encode()
+        self.durable = durable
+        self.exclusive = exclusive
+        self.auto_delete = auto_delete
+        self.store_spec = store_spec
+        self.delay_ns = delay_us * 1000
+        self.frame_max = frame_max
+        self.id_prefix = os.urandom(8)
+        self.next_id = 1
+        self.messages: collections.deque = collections.deque()   # (msg_id, record, redelivered)
+        self.unacked: dict[int, tuple] = {}                       # msg_id -> (record, consumer or (reader, channel), on_store)
+        self.consumers: list[Consumer] = []
+        self.rr = 0
+        self.reader_links: dict[str, object] = {}
+        self.peer_out: dict[str, object] = {}                     # peer name -> out link
+        self.store_out = None
+        self.store_in = None
+        self.confirms: dict[object, list[int]] = {}
+        self.awaiting_disk: dict[bytes, tuple] = {}              # store id -> (out link, seq)
+        self.enqueued = 0
+        self.delivered = 0
+        self.acked = 0
+        self.stored = 0
+
+    # -- wiring -----------------------------------------------------------------------
+    def on_link_attached(self, link) -> None:
+        if link.link_id in self.out_links:
+            self.peer_out[link.peer] = link
+            if link.peer.startswith("reader"):
+                self.reader_links[link.peer] = link
+            elif link.peer == "store":
+                self.store_out = link
+                if self.store_spec:
+                    self.credit.set_peer_spec(link.link_id, self.store_spec)
+        elif link.peer == "store":
+            self.store_in = link
+
+    def on_peer_down(self, link_id: int) -> None:
+        for peer, link in list(self.peer_out.items()):
+            if link.link_id == link_id:
+                del self.peer_out[peer]
+                if self.reader_links.pop(peer, None) is not None:
+                    self.drop_consumers(lambda c, r=peer: c.reader == r, reader=peer)
+
+    # -- records --------------------------------------------------------------------
+    def on_record(self, link, record) -> None:
+        kind = record[0]
+        if kind == wire.Kind.PUBLISH:
+            self.on_publish(link, record)
+        elif kind == wire.Kind.ACK:
+            self.on_ack(record)
+        elif kind == wire.Kind.CONTROL:
+            self.on_op(link, wire.decode_control(record))
+        elif kind == wire.Kind.ON_DISK:
+            self.on_disk(wire.decode_ids(record))
+
+    def on_publish(self, link, record) -> None:
+        self.send_grants(self.credit.ack(link.link_id))
+        if self.delay_ns:
+            busy_wait_ns(self.delay_ns)
+        flags, seq = wire.publish_head(record)
+        msg_id = self.next_id
+        self.next_id += 1
+        self.enqueued += 1
+        on_store = None
+        if (flags & wire.PUB_PERSISTENT and self.durable and self.store_out is not None
+                and wire.content_body_len(record) >= QUEUE_INDEX_EMBED_MSGS_BELOW):
+            on_store = self.id_prefix + struct.pack("<Q", msg_id)
+            self.store_out.put(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+            self.credit.send(self.store_out.link_id, time.monotonic_ns())
+            self.stored += 1
+        if flags & wire.PUB_CONFIRM:
+            out = self.peer_out.get(link.peer)
+            if out is not None:
+                if on_store is not None:
+                    self.awaiting_disk[on_store] = (out, seq)
+                else:
+                    self.confirms.setdefault(out, []).append(seq)
+        self.messages.append((msg_id, record, False, on_store))
+
+    def on_disk(self, ids) -> None:
+        for store_id in ids:
+            entry = self.awaiting_disk.pop(store_id, None)
+            if entry is not None:
+                self.confirms.setdefault(entry[0], []).append(entry[1])
+
+    def on_ack(self, record) -> None:
+        flags, _, ids = wire.decode_ack(record)
+        requeue = []
+        removed = []
+        for msg_id in ids:
+            entry = self.unacked.pop(msg_id, None)
+            if entry is None:
+                continue
+            rec, owner, on_store = entry
+            if isinstance(owner, Consumer):
+                owner.unacked -= 1
+            if flags & wire.ACK_REQUEUE:
+                requeue.append((msg_id, rec, True, on_store))
+            else:
+                self.acked += 1
+                if on_store is not None:
+                    removed.append(on_store)
+        if requeue:
+            self.messages.extendleft(reversed(requeue))
+        if removed and self.store_out is not None:
+            self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, removed))
+
+    # -- delivery -------------------------------------------------------------------------
+    def after_io(self, now_ns: int) -> None:
+        if self.messages and self.consumers:
+            self.deliver_ready()
+        for link, seqs in self.confirms.items():
+            link.put(wire.encode_confirm(seqs))
+        self.confirms.clear()
+
+    def deliver_ready(self) -> None:
+        messages = self.messages
+        consumers = self.consumers
+        n = len(consumers)
+        idle = 0
+        while messages and idle < n:
+            c = consumers[self.rr % n]
+            self.rr += 1
+            if c.link.overflow or (c.prefetch and c.unacked >= c.prefetch):
+                idle += 1
+                continue
+            idle = 0
+            msg_id, record, redelivered, on_store = messages.popleft()
+            flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if c.no_ack else 0)
+            c.link.put(wire.encode_deliver(flags, c.channel, msg_id, c.ctag_bytes,
+                                           memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+            self.delivered += 1
+            if c.no_ack:
+                self.acked += 1
+                if on_store is not None and self.store_out is not None:
+                    self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, [on_store]))
+            else:
+                c.unacked += 1
+                self.unacked[msg_id] = (record, c, on_store)
+
+    def timeout_s(self, now_ns: int) -> float | None:
+        # a consumer ring that was full frees space without telling us when the
+        # SPACE token races with writer_waiting; retry deliveries shortly.
+        if self.messages and any(c.link.overflow for c in self.consumers):
+            return 0.005
+        return None
+
+    # -- operations from channels ---------------------------------------------------------
+    def on_op(self, link, op: dict) -> None:
+        kind = op.get("op")
+        out = self.peer_out.get(link.peer)
+        if kind == "declare":
+            if not op.get("passive") and bool(op["durable"]) != self.durable:
+                self.reply(out, {"op": "error", "code": 406, "class_id": 50, "method_id": 10,
+                                 "text": f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue "
+                                         f"'{self.queue}' in vhost '/': received "
+                                         f"'{str(bool(op['durable'])).lower()}' but current is "
+                                         f"'{str(self.durable).lower()}'"})
+                return
+            self.reply(out, {"op": "declare_ok", "queue": self.queue, "nowait": op.get("nowait", False),
+                             "message_count": len(self.messages), "consumer_count": len(self.consumers)})
+        elif kind == "consume":
+            reader_link = self.reader_links.get(op["reader"])
+            if reader_link is None:
+                self.reply(out, {"op": "error", "code": 541, "text": "INTERNAL_ERROR - no delivery link"})
+                return
+            c = Consumer(op["ctag"], op["channel"], op["reader"], reader_link, op["no_ack"], op["prefetch"])
+            if not op.get("nowait"):
+                reader_link.put(wire.encode_frames(frames.encode_method(
+                    c.channel, commands.Basic.ConsumeOk(consumer_tag=c.ctag))))
+            self.consumers.append(c)
+        elif kind == "cancel":
+            self.drop_consumers(lambda c: c.ctag == op["ctag"] and c.reader == op["reader"]
+                                and c.channel == op["channel"], requeue=False)
+            reader_link = self.reader_links.get(op["reader"])
+            if reader_link is not None and not op.get("nowait"):
+                reader_link.put(wire.encode_frames(frames.encode_method(
+                    op["channel"], commands.Basic.CancelOk(consumer_tag=op["ctag"]))))
+        elif kind == "get":
+            self.basic_get(op)
+        elif kind == "channel_closed":
+            reader, channel = op["reader"], op["channel"]
+            self.drop_consumers(lambda c: c.reader == reader and c.channel == channel,
+                                reader=reader, channel=channel)
+        elif kind == "recover":
+            self.requeue_owned(op["reader"], op["channel"])
+
+    def basic_get(self, op: dict) -> None:
+        reader_link = self.reader_links.get(op["reader"])
+        if reader_link is None:
+            return
+        channel = op["channel"]
+        if not self.messages:
+            reader_link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
+            return
+        msg_id, record, redelivered, on_store = self.messages.popleft()
+        flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if op["no_ack"] else 0)
+        reader_link.put(wire.encode_get_ok(flags, channel, msg_id, len(self.messages),
+                                           memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+        self.delivered += 1
+        if op["no_ack"]:
+            self.acked += 1
+        else:
+            self.unacked[msg_id] = (record, (op["reader"], channel), on_store)
+
+    def drop_consumers(self, match, *, requeue: bool = True, reader: str | None = None,
+                       channel: int | None = None) -> None:
+        self.consumers = [c for c in self.consumers if not match(c)]
+        if requeue and reader is not None:
+            self.requeue_owned(reader, channel)
+
+    def requeue_owned(self, reader: str, channel: int | None) -> None:
+        """Put back, in order and marked redelivered, what a reader's channel held unacked."""
+        back = []
+        for msg_id, (rec, owner, on_store) in list(self.unacked.items()):
+            who = (owner.reader, owner.channel) if isinstance(owner, Consumer) else owner
+            if who[0] == reader and (channel is None or who[1] == channel):
+                del self.unacked[msg_id]
+                if isinstance(owner, Consumer):
+                    owner.unacked -= 1
+                back.append((msg_id, rec, True, on_store))
+        if back:
+            back.sort(key=lambda m: m[0])
+            self.messages.extendleft(reversed(back))
+
+    def reply(self, out, msg: dict) -> None:
+        if out is not None:
+            out.put(wire.encode_control(msg))
+
+    def extra_stats(self, now_ns: int) -> dict:
+        return {"queue": self.queue, "durable": self.durable, "messages": len(self.messages),
+                "unacked": len(self.unacked), "consumers": len(self.consumers), "enqueued": self.enqueued,
+                "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
+                "awaiting_disk": len(self.awaiting_disk)}

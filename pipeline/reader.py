@@ -1,0 +1,409 @@
+"""The reader: one process per AMQP connection; it owns the socket.
+
+Inbound, it parses client bytes into events (``pipeline.amqp``) and hands
+each channel's methods and publishes to that channel's process over a ring.
+Every ``basic.publish`` costs one credit towards the channel; when the credit
+runs out the reader stops parsing and stops reading its socket, so the client
+feels back-pressure through TCP. Resource alarms (tokens from the supervisor)
+block it the same way, but only once it publishes (see ``throttle``).
+
+Outbound, it writes what channels and queues send it: method replies,
+confirms, and deliveries, to which it assigns per-channel delivery tags. A
+client's ``basic.ack`` is turned back into (queue, message ids) and goes to
+the queue through the channel.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import selectors
+import socket
+import time
+
+from ipc import control
+from ipc.tokens import Kind as TokenKind
+from pipeline import wire
+from pipeline.amqp import frames
+from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed,
+                                      CloseRequested, HeartbeatTimeout, Method, Opened,
+                                      ProtocolError, Publish, ServerConnection)
+from pipeline.stage import Stage
+from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
+
+RECV_BYTES = 128 * 1024
+OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
+CLOSE_TIMEOUT_NS = 3_000_000_000
+ALARM_SOURCES = {1: MEMORY, 2: DISK}
+
+BASIC_ACK = (60, 80)
+BASIC_REJECT = (60, 90)
+BASIC_NACK = (60, 120)
+CONFIRM_SELECT = (85, 10)
+
+
+class ChannelSlot:
+    """What the reader keeps per open AMQP channel."""
+
+    __slots__ = ("number", "out", "inp", "confirm", "seq", "next_tag", "unacked", "ready")
+
+    def __init__(self, number: int):
+        self.number = number
+        self.out = None          # OutLink reader -> channel
+        self.inp = None          # InLink channel -> reader
+        self.confirm = False
+        self.seq = 0
+        self.next_tag = 1
+        self.unacked: collections.OrderedDict[int, tuple[bytes, int]] = collections.OrderedDict()
+        self.ready = False
+
+
+class Reader(Stage):
+    kind = "reader"
+
+    def __init__(self, name: str, ctl_sock, inbox_fd: int, doorbell_fd: int, credit_spec,
+                 sock: socket.socket, *, node_name: str, heartbeat_s: int, frame_max: int,
+                 channel_max: int, max_message_bytes: int, refuse: str | None = None,
+                 alarms: list[str] = ()):
+        super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
+        self.sock = sock
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        now = time.monotonic_ns()
+        self.conn = ServerConnection(node_name=node_name, heartbeat_s=heartbeat_s,
+                                     frame_max=frame_max, channel_max=channel_max,
+                                     max_message_bytes=max_message_bytes, now_ns=now)
+        self.throttle = Throttle()
+        for reason in alarms:
+            self.throttle.set_reason(reason, True)
+        self.refuse = refuse
+        self.channels: dict[int, ChannelSlot] = {}
+        self.by_out_link: dict[int, ChannelSlot] = {}
+        self.queue_links: dict[int, bytes] = {}     # in-link id -> queue name
+        self.outbuf = bytearray()
+        self.interest = 0
+        self.eof = False
+        self.closing_since_ns: int | None = None
+        self.publishes = 0
+        self.deliveries = 0
+        self.last_tick_ns = now
+        self.state_changes: list = []
+        self._set_interest()
+
+    # -- socket ----------------------------------------------------------------
+    def _set_interest(self) -> None:
+        want = 0
+        if self.throttle.reading and not self.eof:
+            want |= selectors.EVENT_READ
+        if self.outbuf:
+            want |= selectors.EVENT_WRITE
+        if want == self.interest:
+            return
+        if self.interest and want:
+            self.selector.modify(self.sock, want, "sock")
+        elif want:
+            self.selector.register(self.sock, want, "sock")
+        else:
+            self.selector.unregister(self.sock)
+        self.interest = want
+
+    def on_ready(self, key) -> None:
+        if key.data != "sock":
+            return
+        if self.throttle.reading and not self.eof:
+            try:
+                data = self.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                data = None
+            except OSError:
+                data = b""
+            if data is not None:
+                if not data:
+                    self.eof = True
+                self.conn.receive_data(data)
+                self.dirty = True
+
+    def write_out(self) -> None:
+        data = self.conn.data_to_send()
+        if data:
+            self.outbuf += data
+        if self.outbuf:
+            try:
+                sent = self.sock.send(self.outbuf)
+                del self.outbuf[:sent]
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno in (errno.EPIPE, errno.ECONNRESET):
+                    self.outbuf.clear()
+                    self.eof = True
+                    self.finish()
+                else:
+                    raise
+
+    def can_read_more(self) -> bool:
+        return len(self.outbuf) < OUTBUF_HIGH_BYTES
+
+    # -- the loop's hooks --------------------------------------------------------
+    def after_io(self, now_ns: int) -> None:
+        self.parse(now_ns)
+        if now_ns - self.last_tick_ns >= 500_000_000:
+            self.last_tick_ns = now_ns
+            event = self.conn.tick(now_ns)
+            if isinstance(event, HeartbeatTimeout):
+                self.log("missed heartbeats from client, timeout")
+                self.finish()
+        self.write_out()
+        if self.closing_since_ns is not None and (
+                not self.outbuf and self.conn.state == "closed"
+                or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS or self.eof):
+            self.running = False
+        self._set_interest()
+
+    def timeout_s(self, now_ns: int) -> float | None:
+        if self.closing_since_ns is not None:
+            return 0.1
+        return 0.5 if self.conn.heartbeat_s else None
+
+    def parse(self, now_ns: int) -> None:
+        conn = self.conn
+        throttle = self.throttle
+        while throttle.reading and self.closing_since_ns is None:
+            event = conn.next_event(now_ns)
+            if event is None:
+                break
+            if type(event) is Publish:
+                self.on_publish(event, now_ns)
+            else:
+                self.on_event(event, now_ns)
+        if self.eof and self.closing_since_ns is None and throttle.reading:
+            self.finish()
+
+    def on_publish(self, ev, now_ns: int) -> None:
+        slot = self.channels.get(ev.channel)
+        if slot is None or slot.out is None:
+            return
+        slot.seq += 1
+        flags = ((wire.PUB_MANDATORY if ev.mandatory else 0)
+                 | (wire.PUB_PERSISTENT if ev.delivery_mode == 2 else 0)
+                 | (wire.PUB_CONFIRM if slot.confirm else 0))
+        slot.out.put(wire.encode_publish(flags, slot.seq, ev.exchange.encode(),
+                                         ev.routing_key.encode(), ev.props_raw, ev.body))
+        self.publishes += 1
+        self.credit.send(slot.out.link_id, now_ns)
+        if self.credit.blocked:
+            self.throttle.set_reason(FLOW, True)
+        self.notify(self.throttle.publish_received())
+
+    def on_event(self, ev, now_ns: int) -> None:
+        if isinstance(ev, Method):
+            self.on_method(ev, now_ns)
+        elif isinstance(ev, ChannelOpen):
+            self.channels[ev.channel] = ChannelSlot(ev.channel)
+            control.send_msg(self.ctl, {"type": "open_channel", "channel": ev.channel})
+        elif isinstance(ev, ChannelClose):
+            slot = self.channels.get(ev.channel)
+            if slot is not None and slot.out is not None:
+                slot.out.put(wire.encode_control({"op": "close"}))
+            else:
+                self.conn.close_channel_ok(ev.channel)
+        elif isinstance(ev, ChannelCloseOk):
+            self.drop_channel(ev.channel)
+        elif isinstance(ev, Opened):
+            if self.refuse:
+                self.conn.close(530, self.refuse, 10, 40)
+                self.finish()
+        elif isinstance(ev, (CloseRequested, Closed)):
+            self.finish()
+        elif isinstance(ev, ProtocolError):
+            self.log(f"closing AMQP connection: {ev.reply_code} {ev.reply_text}")
+            self.finish()
+
+    def on_method(self, ev, now_ns: int) -> None:
+        slot = self.channels.get(ev.channel)
+        if slot is None or slot.out is None:
+            return
+        key = (ev.class_id, ev.method_id)
+        if key == BASIC_ACK:
+            m = ev.method
+            self.settle(slot, m.delivery_tag, m.multiple, 0)
+            return
+        if key in (BASIC_NACK, BASIC_REJECT):
+            m = ev.method
+            flags = wire.ACK_REJECT | (wire.ACK_REQUEUE if m.requeue else 0)
+            self.settle(slot, m.delivery_tag, getattr(m, "multiple", False), flags)
+            return
+        if key == CONFIRM_SELECT:
+            slot.confirm = True
+        slot.out.put(wire.encode_method(ev.payload))
+
+    def settle(self, slot: ChannelSlot, tag: int, multiple: bool, flags: int) -> None:
+        """Turn a client's ack/nack/reject into ACK records per queue."""
+        by_queue: dict[bytes, list[int]] = {}
+        unacked = slot.unacked
+        if multiple:
+            if tag == 0:
+                tag = slot.next_tag - 1
+            while unacked:
+                first = next(iter(unacked))
+                if first > tag:
+                    break
+                queue, msg_id = unacked.pop(first)
+                by_queue.setdefault(queue, []).append(msg_id)
+        else:
+            entry = unacked.pop(tag, None)
+            if entry is None:
+                self.conn.close_channel(slot.number, 406, f"PRECONDITION_FAILED - unknown delivery tag {tag}",
+                                        60, 80)
+                return
+            by_queue[entry[0]] = [entry[1]]
+        for queue, ids in by_queue.items():
+            slot.out.put(wire.encode_ack(flags, queue, ids))
+
+    def notify(self, notices) -> None:
+        for notice in notices:
+            sent = self.conn.send_blocked(notice.reason) if notice.blocked else self.conn.send_unblocked()
+            self.state_changes.append((time.monotonic_ns(), "blocked" if notice.blocked else "unblocked",
+                                       notice.reason, sent))
+            self.dirty = True
+
+    # -- records from channels and queues ----------------------------------------
+    def on_record(self, link, record) -> None:
+        kind = record[0]
+        if kind == wire.Kind.DELIVER:
+            self.on_deliver(link, record)
+        elif kind == wire.Kind.FRAMES:
+            self.conn.send_raw(bytes(record[1:]))
+        elif kind == wire.Kind.GET_OK:
+            self.on_get_ok(link, record)
+        elif kind == wire.Kind.CONTROL:
+            self.on_channel_control(link, wire.decode_control(record))
+
+    def on_deliver(self, link, record) -> None:
+        flags, channel, msg_id, ctag, off = wire.decode_deliver(record)
+        slot = self.channels.get(channel)
+        if slot is None:
+            return
+        tag = slot.next_tag
+        slot.next_tag += 1
+        if not flags & wire.DLV_NO_ACK:
+            slot.unacked[tag] = (self.queue_links.get(link.link_id, b""), msg_id)
+        exchange, rk, props, body = wire.decode_content(record, off)
+        self.conn.send_raw(frames.encode_deliver(channel, ctag.decode(), tag,
+                                                 bool(flags & wire.DLV_REDELIVERED), exchange.decode(),
+                                                 rk.decode(), props, body, self.conn.frame_max))
+        self.deliveries += 1
+
+    def on_get_ok(self, link, record) -> None:
+        from pamqp import commands
+        flags, channel, msg_id, count, off = wire.decode_get_ok(record)
+        slot = self.channels.get(channel)
+        if slot is None:
+            return
+        tag = slot.next_tag
+        slot.next_tag += 1
+        if not flags & wire.DLV_NO_ACK:
+            slot.unacked[tag] = (self.queue_links.get(link.link_id, b""), msg_id)
+        exchange, rk, props, body = wire.decode_content(record, off)
+        method = commands.Basic.GetOk(delivery_tag=tag, redelivered=bool(flags & wire.DLV_REDELIVERED),
+                                      exchange=exchange.decode(), routing_key=rk.decode(),
+                                      message_count=count)
+        self.conn.send_raw(frames.encode_method(channel, method)
+                           + frames.encode_content(channel, props, body, self.conn.frame_max))
+        self.deliveries += 1
+
+    def on_channel_control(self, link, msg: dict) -> None:
+        op = msg.get("op")
+        channel = msg.get("channel")
+        if op == "closed":
+            self.conn.close_channel_ok(channel)
+            self.drop_channel(channel)
+        elif op == "channel_error":
+            self.conn.close_channel(channel, msg["code"], msg["text"], msg.get("class_id", 0),
+                                    msg.get("method_id", 0))
+            slot = self.channels.get(channel)
+            if slot is not None and slot.out is not None:
+                slot.out.put(wire.encode_control({"op": "close"}))
+                slot.ready = False
+        elif op == "connection_error":
+            self.conn.close(msg["code"], msg["text"], msg.get("class_id", 0), msg.get("method_id", 0))
+            self.finish()
+
+    def drop_channel(self, channel: int) -> None:
+        slot = self.channels.pop(channel, None)
+        if slot is None:
+            return
+        if slot.out is not None:
+            self.by_out_link.pop(slot.out.link_id, None)
+        control.send_msg(self.ctl, {"type": "close_channel", "channel": channel})
+
+    # -- control from the supervisor ----------------------------------------------
+    def on_link_attached(self, link) -> None:
+        pass
+
+    def on_control(self, msg: dict, fds: list[int]) -> None:
+        kind = msg.get("type")
+        if kind == "channel_ready":
+            slot = self.channels.get(msg["channel"])
+            if slot is None:
+                return
+            slot.out = self.out_links[msg["out"]]
+            slot.inp = self.in_links[msg["in"]]
+            slot.ready = True
+            self.by_out_link[slot.out.link_id] = slot
+            self.conn.open_channel_ok(slot.number)
+        elif kind == "channel_refused":
+            self.channels.pop(msg["channel"], None)
+            self.conn.close(msg.get("code", 530), msg["text"], 20, 10)
+            self.finish()
+        elif kind == "queue_link":
+            self.queue_links[msg["link"]] = msg["queue"].encode()
+
+    def on_token(self, tok, now_ns: int) -> None:
+        if tok.kind in (TokenKind.ALARM_SET, TokenKind.ALARM_CLEAR):
+            reason = ALARM_SOURCES.get(tok.value)
+            if reason is not None:
+                self.notify(self.throttle.set_reason(reason, tok.kind == TokenKind.ALARM_SET))
+                self.dirty = True
+            return
+        super().on_token(tok, now_ns)
+        if tok.kind in (TokenKind.BUMP, TokenKind.PEER_DOWN) and FLOW in self.throttle.reasons \
+                and not self.credit.blocked:
+            self.notify(self.throttle.set_reason(FLOW, False))
+
+    def on_stop(self) -> None:
+        if self.conn.state not in ("closing", "closed"):
+            self.conn.close(320, "CONNECTION_FORCED - broker forced connection closure with reason 'shutdown'")
+        self.finish()
+
+    def finish(self) -> None:
+        if self.closing_since_ns is None:
+            self.closing_since_ns = time.monotonic_ns()
+            if self.throttle.state != "closing":
+                self.throttle.close()
+            self.dirty = True
+
+    def log(self, text: str) -> None:
+        try:
+            control.send_msg(self.ctl, {"type": "log", "level": "info", "lines": [f"{self.name}: {text}"]})
+        except OSError:
+            pass
+
+    def extra_stats(self, now_ns: int) -> dict:
+        return {"conn_state": self.throttle.reported_state(), "publishes": self.publishes,
+                "deliveries": self.deliveries, "channels": len(self.channels),
+                "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),
+                "notices": [list(n) for n in self.state_changes[-20:]],
+                "unread_bytes": getattr(self.conn, "buffered_bytes", lambda: 0)()
+                if callable(getattr(self.conn, "buffered_bytes", None)) else None}
+
+    def shutdown(self) -> None:
+        try:
+            self.write_out()
+        except OSError:
+            pass
+        super().shutdown()
+        try:
+            self.sock.close()
+        except OSError:
+            pass

@@ -1,0 +1,362 @@
+"""The loop every broker stage runs: wait, read, feed the core, write what it returns.
+
+A stage process owns three endpoints, all created by the supervisor:
+
+* a **doorbell** (eventfd) that any sender rings after committing records to
+  one of this stage's inbound rings;
+* an **inbox** pipe for tokens (credit bumps, ring space, peer_down, alarms);
+* a **control** socket to the supervisor (JSON, with fds for new links).
+
+Links are one-way: an :class:`OutLink` writes records into a ring and rings
+the peer's doorbell; the matching :class:`InLink` reads them and answers with
+tokens on the sender's inbox. Credit is counted per link id on both ends, so
+``CreditFlow`` keys are link ids. A stage sleeps in ``select`` until one of
+its endpoints has something; it pushes ``statistics`` to the supervisor at
+most every ``STATS_INTERVAL_MS`` while busy, at once on a block or unblock,
+and once more when it goes idle.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import selectors
+import time
+
+from ipc import control, shm, tokens
+from ipc.credit import CreditFlow, CreditSpec
+from ipc.doorbell import Doorbell
+from ipc.errors import PeerGone, WouldBlock
+from ipc.tokens import Kind as TokenKind
+
+STATS_INTERVAL_MS = 100
+OVERFLOW_RETRY_MS = 5
+READ_BATCH_RECORDS = 256
+
+
+class OutLink:
+    """Sending end of one ring. Records that do not fit wait in ``overflow``
+    (this process's memory, like a growing Erlang mailbox) until the receiver
+    frees space."""
+
+    __slots__ = ("link_id", "peer", "segment", "ring", "doorbell", "inbox", "flow",
+                 "overflow", "staged", "sent")
+
+    def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
+                 peer_doorbell_fd: int, flow: bool):
+        self.link_id = link_id
+        self.peer = peer
+        self.segment, self.ring = shm.attach_ring(ring_name)
+        self.inbox = tokens.TokenWriter(peer_inbox_fd)
+        self.doorbell = Doorbell(peer_doorbell_fd)
+        self.flow = flow
+        self.overflow: collections.deque = collections.deque()
+        self.staged = 0
+        self.sent = 0
+
+    def put(self, record) -> None:
+        self.sent += 1
+        if not self.overflow:
+            try:
+                self.ring.write_nowait(record)
+                self.staged += 1
+                return
+            except WouldBlock:
+                self.ring.writer_waiting = True
+        self.overflow.append(record)
+
+    def flush(self) -> None:
+        overflow = self.overflow
+        if overflow:
+            ring = self.ring
+            try:
+                while overflow:
+                    ring.write_nowait(overflow[0])
+                    overflow.popleft()
+                    self.staged += 1
+            except WouldBlock:
+                pass
+            if not overflow:
+                ring.writer_waiting = False
+        if self.staged:
+            self.ring.commit()
+            self.staged = 0
+            try:
+                self.doorbell.ring()
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        for closer in (self.segment.close, self.doorbell.close):
+            try:
+                closer()
+            except OSError:
+                pass
+        try:
+            os.close(self.inbox.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+class InLink:
+    """Receiving end of one ring; answers the sender on its inbox pipe."""
+
+    __slots__ = ("link_id", "peer", "segment", "ring", "inbox", "flow", "received")
+
+    def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int, flow: bool):
+        self.link_id = link_id
+        self.peer = peer
+        self.segment, self.ring = shm.attach_ring(ring_name)
+        self.inbox = tokens.TokenWriter(peer_inbox_fd)
+        self.flow = flow
+        self.received = 0
+
+    def read(self, max_records: int = READ_BATCH_RECORDS) -> list:
+        records = self.ring.read_batch(max_records)
+        if records:
+            self.received += len(records)
+            if self.ring.writer_waiting:
+                self.token(TokenKind.SPACE, 0)
+        return records
+
+    def token(self, kind, value: int) -> None:
+        try:
+            self.inbox.send(kind, self.link_id, value)
+        except PeerGone:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.segment.close()
+        except OSError:
+            pass
+        try:
+            os.close(self.inbox.fd)
+        except (OSError, AttributeError):
+            pass
+
+
+class Stage:
+    """Base class of reader, channel, queue and store processes."""
+
+    kind = "stage"
+
+    def __init__(self, name: str, ctl_sock, inbox_fd: int, doorbell_fd: int,
+                 credit_spec: CreditSpec):
+        self.name = name
+        self.ctl = ctl_sock
+        self.inbox = tokens.TokenReader(inbox_fd)
+        self.doorbell = Doorbell(doorbell_fd)
+        self.credit = CreditFlow(credit_spec)
+        self.out_links: dict[int, OutLink] = {}
+        self.in_links: dict[int, InLink] = {}
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.doorbell.fileno(), selectors.EVENT_READ, "doorbell")
+        self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, "inbox")
+        self.selector.register(self.ctl.fileno(), selectors.EVENT_READ, "ctl")
+        self.running = True
+        self.exit_code = 0
+        self.dirty = True
+        self.last_stats_ns = 0
+        self.was_blocked = False
+        self.started_ns = time.monotonic_ns()
+
+    # -- hooks for subclasses ------------------------------------------------
+    def on_record(self, link: InLink, record) -> None:
+        raise NotImplementedError
+
+    def on_control(self, msg: dict, fds: list[int]) -> None:
+        pass
+
+    def on_link_attached(self, link) -> None:
+        pass
+
+    def on_peer_down(self, link_id: int) -> None:
+        pass
+
+    def on_ready(self, key) -> None:
+        """An extra fd registered by the subclass is ready."""
+
+    def after_io(self, now_ns: int) -> None:
+        """Called once per loop turn after inbound records were handled."""
+
+    def timeout_s(self, now_ns: int) -> float | None:
+        """Subclass deadline (seconds from now) or None."""
+        return None
+
+    def extra_stats(self, now_ns: int) -> dict:
+        return {}
+
+    # -- plumbing --------------------------------------------------------------
+    def send_grants(self, grants) -> None:
+        for grant in grants:
+            link = self.in_links.get(grant.to)
+            if link is not None:
+                link.token(TokenKind.BUMP, grant.amount)
+
+    def attach(self, msg: dict, fds: list[int]) -> None:
+        spec = msg.get("spec")
+        if msg["role"] == "out":
+            link = OutLink(msg["link"], msg["peer"], msg["ring"], fds[0], fds[1], msg["flow"])
+            self.out_links[link.link_id] = link
+        else:
+            link = InLink(msg["link"], msg["peer"], msg["ring"], fds[0], msg["flow"])
+            self.in_links[link.link_id] = link
+        if spec:
+            self.credit.set_peer_spec(link.link_id, CreditSpec(*spec))
+        self.on_link_attached(link)
+
+    def detach(self, link_id: int, now_ns: int) -> None:
+        self.send_grants(self.credit.peer_down(link_id, now_ns))
+        for links in (self.out_links, self.in_links):
+            link = links.pop(link_id, None)
+            if link is not None:
+                link.close()
+        self.on_peer_down(link_id)
+
+    def handle_tokens(self, now_ns: int) -> None:
+        try:
+            toks = self.inbox.read_nowait()
+        except WouldBlock:
+            return
+        except PeerGone:
+            self.running = False
+            return
+        for tok in toks:
+            self.on_token(tok, now_ns)
+
+    def on_token(self, tok, now_ns: int) -> None:
+        if tok.kind == TokenKind.BUMP:
+            self.send_grants(self.credit.handle_bump(tok.link, tok.value, now_ns))
+        elif tok.kind == TokenKind.SPACE:
+            pass  # the flush at the end of this turn retries the overflow
+        elif tok.kind == TokenKind.PEER_DOWN:
+            self.detach(tok.link, now_ns)
+        elif tok.kind == TokenKind.STOP:
+            self.running = False
+
+    def handle_control(self) -> None:
+        while True:
+            try:
+                msg, fds = control.recv_msg_nowait(self.ctl)
+            except WouldBlock:
+                return
+            except PeerGone:
+                self.running = False
+                self.exit_code = 0
+                return
+            kind = msg.get("type")
+            if kind == "attach":
+                self.attach(msg, fds)
+            elif kind == "detach":
+                self.detach(msg["link"], time.monotonic_ns())
+            elif kind == "stop":
+                self.on_stop()
+            else:
+                self.on_control(msg, fds)
+
+    def on_stop(self) -> None:
+        self.running = False
+
+    def poll_links(self, now_ns: int) -> int:
+        handled = 0
+        for link in list(self.in_links.values()):
+            while True:
+                records = link.read()
+                if not records:
+                    break
+                handled += len(records)
+                for record in records:
+                    self.on_record(link, record)
+                if len(records) < READ_BATCH_RECORDS or not self.can_read_more():
+                    break
+        return handled
+
+    def can_read_more(self) -> bool:
+        return True
+
+    def flush_links(self) -> None:
+        for link in self.out_links.values():
+            if link.staged or link.overflow:
+                link.flush()
+
+    def statistics(self, now_ns: int) -> dict:
+        cs = self.credit.statistics(now_ns)
+        links = {}
+        for link in self.out_links.values():
+            rs = link.ring.statistics()
+            links[f"{self.name}->{link.peer}"] = {
+                "sent": link.sent, "in_flight": rs.in_flight + len(link.overflow),
+                "max_in_flight": rs.max_in_flight, "overflow": len(link.overflow),
+                "credit": self.credit.credit_towards(link.link_id) if link.flow else None,
+            }
+        stats = {
+            "type": "stats", "name": self.name, "kind": self.kind, "pid": os.getpid(), "at_ns": now_ns,
+            "blocked": cs.blocked, "block_started_ns": cs.block_started_ns,
+            "blocked_total_ns": cs.blocked_total_ns, "block_count": cs.block_count,
+            "deferred_grants": cs.deferred_grants, "state": cs.state,
+            "blocked_by": [self._peer_of(key) for key in cs.blocked_by],
+            "links": links,
+        }
+        stats.update(self.extra_stats(now_ns))
+        return stats
+
+    def _peer_of(self, link_id) -> str:
+        link = self.out_links.get(link_id) or self.in_links.get(link_id)
+        return link.peer if link is not None else str(link_id)
+
+    def push_stats(self, now_ns: int) -> None:
+        try:
+            control.send_msg(self.ctl, self.statistics(now_ns))
+        except (OSError, PeerGone):
+            self.running = False
+        self.last_stats_ns = now_ns
+
+    def run(self) -> int:
+        select = self.selector.select
+        while self.running:
+            now = time.monotonic_ns()
+            timeout = self.timeout_s(now)
+            if self.dirty:
+                due = (self.last_stats_ns + STATS_INTERVAL_MS * 1_000_000 - now) / 1e9
+                timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
+            if any(link.overflow for link in self.out_links.values()):
+                retry = OVERFLOW_RETRY_MS / 1000
+                timeout = retry if timeout is None else min(timeout, retry)
+            for key, _ in select(timeout):
+                tag = key.data
+                if tag == "doorbell":
+                    try:
+                        self.doorbell.drain_nowait()
+                    except WouldBlock:
+                        pass
+                elif tag == "inbox":
+                    self.handle_tokens(time.monotonic_ns())
+                elif tag == "ctl":
+                    self.handle_control()
+                else:
+                    self.on_ready(key)
+            now = time.monotonic_ns()
+            handled = self.poll_links(now)
+            self.after_io(now)
+            self.flush_links()
+            blocked = self.credit.blocked
+            if handled:
+                self.dirty = True
+            if blocked != self.was_blocked:
+                self.was_blocked = blocked
+                self.push_stats(now)
+                self.dirty = True
+            elif self.dirty and now - self.last_stats_ns >= STATS_INTERVAL_MS * 1_000_000:
+                self.push_stats(now)
+                self.dirty = bool(handled)
+        self.shutdown()
+        return self.exit_code
+
+    def shutdown(self) -> None:
+        try:
+            self.push_stats(time.monotonic_ns())
+        except Exception:
+            pass
+        for link in list(self.out_links.values()) + list(self.in_links.values()):
+            link.close()

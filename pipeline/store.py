@@ -1,0 +1,121 @@
+"""The message store: one process per broker, last in the publish chain.
+
+Queues send it WRITE records for persistent messages too big to embed in
+their own index; each costs the queue one store credit
+(``msg_store_credit_disc_bound``) and the store acks that credit when it
+*dequeues* the write, so credit tracks the backlog in its inbox, not the
+disk. Writes go to numbered segment files and become durable as a group: the
+store fsyncs at least every ``SYNC_INTERVAL_MS`` while writes are pending,
+sooner when its inbox has drained and confirms wait, and tells each queue
+which of its messages are on disk (ON_DISK) so their publishers can be
+confirmed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pipeline import wire
+from pipeline.channel import busy_wait_ns
+from pipeline.stage import READ_BATCH_RECORDS, Stage
+from pipeline.storage.segments import SYNC_INTERVAL_MS, SegmentStore
+
+
+class Store(Stage):
+    kind = "store"
+
+    def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, data_dir: str,
+                 store_spec=None, delay_us: int = 0, fsync_interval_ms: int = SYNC_INTERVAL_MS,
+                 fsync_delay_ms: int = 0, confirm_after: str = "fsync"):
+        super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
+        self.segments = SegmentStore(data_dir, fsync_delay_ms=fsync_delay_ms)
+        self.store_spec = store_spec
+        self.delay_ns = delay_us * 1000
+        self.sync_interval_ns = fsync_interval_ms * 1_000_000
+        self.confirm_after = confirm_after
+        self.unsynced: dict[int, list[bytes]] = {}      # in-link id -> ids written since the last fsync
+        self.first_unsynced_ns: int | None = None
+        self.writes = 0
+        self.removes = 0
+        self.fsyncs = 0
+        self.fsync_ns_total = 0
+        self.fsync_events: list = []
+        self.drained = True
+        self.out_by_peer: dict[str, object] = {}
+
+    def on_link_attached(self, link) -> None:
+        if link.link_id in self.in_links and self.store_spec:
+            self.credit.set_peer_spec(link.link_id, self.store_spec)
+        if link.link_id in self.out_links:
+            self.out_by_peer[link.peer] = link
+
+    def on_record(self, link, record) -> None:
+        kind = record[0]
+        if kind == wire.Kind.WRITE:
+            self.send_grants(self.credit.ack(link.link_id))
+            if self.delay_ns:
+                busy_wait_ns(self.delay_ns)
+            msg_id, body = wire.decode_write(record)
+            self.segments.append(msg_id, body)
+            self.writes += 1
+            self.unsynced.setdefault(link.link_id, []).append(msg_id)
+            if self.first_unsynced_ns is None:
+                self.first_unsynced_ns = time.monotonic_ns()
+        elif kind == wire.Kind.REMOVE:
+            for msg_id in wire.decode_ids(record):
+                self.segments.decref(msg_id)
+                self.removes += 1
+
+    def poll_links(self, now_ns: int) -> int:
+        handled = super().poll_links(now_ns)
+        self.drained = all(link.ring.statistics().used_bytes == 0 for link in self.in_links.values())
+        return handled
+
+    def after_io(self, now_ns: int) -> None:
+        if self.first_unsynced_ns is None:
+            return
+        if self.confirm_after == "write":
+            self.report_on_disk()
+        due = now_ns - self.first_unsynced_ns >= self.sync_interval_ns
+        if due or self.drained:
+            self.sync(now_ns)
+
+    def sync(self, now_ns: int) -> None:
+        result = self.segments.sync()
+        self.fsyncs += 1
+        self.fsync_ns_total += result.duration_ns
+        self.fsync_events.append((now_ns, result.duration_ns))
+        self.first_unsynced_ns = None
+        self.report_on_disk()
+
+    def report_on_disk(self) -> None:
+        for link_id, ids in self.unsynced.items():
+            inp = self.in_links.get(link_id)
+            out = self.out_by_peer.get(inp.peer) if inp is not None else None
+            if out is not None and ids:
+                out.put(wire.encode_ids(wire.Kind.ON_DISK, ids))
+        self.unsynced = {}
+
+    def timeout_s(self, now_ns: int) -> float | None:
+        if self.first_unsynced_ns is None:
+            return None
+        return max(0.0, (self.first_unsynced_ns + self.sync_interval_ns - now_ns) / 1e9)
+
+    def on_stop(self) -> None:
+        self.running = False
+
+    def shutdown(self) -> None:
+        if self.first_unsynced_ns is not None:
+            self.sync(time.monotonic_ns())
+            self.flush_links()
+        self.segments.close()
+        super().shutdown()
+
+    def extra_stats(self, now_ns: int) -> dict:
+        events, self.fsync_events = self.fsync_events, []
+        return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs,
+                "fsync_ms_total": self.fsync_ns_total / 1e6, "fsync_events": events,
+                "segments": self.segments.statistics().__dict__ if hasattr(self.segments, "statistics") else {}}
+
+
+__all__ = ["Store", "READ_BATCH_RECORDS"]

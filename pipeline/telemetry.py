@@ -1,0 +1,73 @@
+"""What a broker run leaves behind for analysis, written by the supervisor.
+
+Files under ``DATA_DIR/telemetry/`` (JSON lines, one object per line;
+timestamps are int64 nanoseconds of the system-wide monotonic clock):
+
+* ``stats.jsonl``  every ``statistics()`` snapshot a stage pushed (at most
+  every 100 ms per busy stage, at once on block/unblock);
+* ``states.jsonl`` the supervisor's 100 ms sampling of each process's state;
+* ``events.jsonl`` state changes: spawn, connection, alarm set/clear,
+  stage deaths, fsyncs;
+* ``final.json``   the supervisor's last status.
+
+``DATA_DIR/broker.log`` holds the log lines. Writes are buffered and flushed
+once a second so tracing stays off the hot path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+FLUSH_INTERVAL_S = 1.0
+
+
+class Recorder:
+    def __init__(self, data_dir: str):
+        self.dir = os.path.join(data_dir, "telemetry")
+        os.makedirs(self.dir, exist_ok=True)
+        self.files = {name: open(os.path.join(self.dir, f"{name}.jsonl"), "a", encoding="utf-8")
+                      for name in ("stats", "states", "events")}
+        self.logfile = open(os.path.join(data_dir, "broker.log"), "a", encoding="utf-8")
+        self.buffers: dict[str, list[str]] = {name: [] for name in self.files}
+        self.last_flush = time.monotonic()
+
+    def _put(self, name: str, obj: dict) -> None:
+        self.buffers[name].append(json.dumps(obj, separators=(",", ":"), default=str))
+
+    def stats(self, msg: dict) -> None:
+        self._put("stats", {k: v for k, v in msg.items() if k != "type"})
+        for at_ns, duration_ns in msg.get("fsync_events", ()):
+            self.event("fsync", msg.get("name", "store"), {"duration_ns": duration_ns}, at_ns=at_ns)
+
+    def state(self, now_ns: int, name: str, kind: str | None, state: str) -> None:
+        self._put("states", {"at_ns": now_ns, "name": name, "kind": kind, "state": state})
+
+    def event(self, kind: str, name: str, data: dict, at_ns: int | None = None) -> None:
+        self._put("events", {"at_ns": at_ns or time.monotonic_ns(), "event": kind, "name": name,
+                             "data": data})
+
+    def log(self, level: str, line: str) -> None:
+        self.logfile.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{level}] {line}\n" if line else "\n")
+
+    def flush_if_due(self) -> None:
+        if time.monotonic() - self.last_flush >= FLUSH_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        for name, lines in self.buffers.items():
+            if lines:
+                self.files[name].write("\n".join(lines) + "\n")
+                lines.clear()
+            self.files[name].flush()
+        self.logfile.flush()
+        self.last_flush = time.monotonic()
+
+    def close(self, final_status: dict) -> None:
+        self.flush()
+        with open(os.path.join(self.dir, "final.json"), "w", encoding="utf-8") as f:
+            json.dump(final_status, f, default=str)
+        for f in self.files.values():
+            f.close()
+        self.logfile.close()
