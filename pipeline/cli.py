@@ -1,0 +1,193 @@
+"""``creditflow``: the command line.
+
+Exit codes: 0 ok, 2 bad usage or configuration (one-line reason on stderr),
+3 a broker stage died, 4 port in use, 5 a run lost messages or the demo
+missed a phase, 6 no broker answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from ipc.credit import CreditSpec, InvalidCreditSpec
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_LOST = 5
+EXIT_NO_BROKER = 6
+
+
+class UsageError(Exception):
+    """Raised when options are wrong; the CLI prints the reason on one line and exits 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def credit_arg(text: str) -> CreditSpec:
+    try:
+        return CreditSpec.parse(text)
+    except InvalidCreditSpec as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def pos_int(text: str) -> int:
+    value = nonneg_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def add_broker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("broker")
+    g.add_argument("--credit", type=credit_arg, default=None, metavar="I,M",
+                   help="credit_flow_default_credit {InitialCredit,MoreCreditAfter} (default 400,200; 0,0 disables)")
+    g.add_argument("--store-credit", type=credit_arg, default=None, metavar="I,M",
+                   help="msg_store_credit_disc_bound (default 4000,800)")
+    g.add_argument("--channel-delay-us", type=nonneg_int, default=0, help="busy delay per message in each channel")
+    g.add_argument("--queue-delay-us", type=nonneg_int, default=0, help="busy delay per message in each queue")
+    g.add_argument("--store-delay-us", type=nonneg_int, default=0, help="busy delay per write in the store")
+    g.add_argument("--fsync-interval-ms", type=pos_int, default=200, help="group-commit interval (default 200)")
+    g.add_argument("--fsync-delay-ms", type=nonneg_int, default=0, help="extra delay per fsync (a slow disk)")
+    g.add_argument("--confirm-after", choices=("fsync", "write"), default="fsync",
+                   help="confirm persistent messages after fsync (default) or after write")
+    g.add_argument("--heartbeat", type=nonneg_int, default=60, help="heartbeat seconds offered to clients")
+    g.add_argument("--frame-max", type=pos_int, default=131072)
+    g.add_argument("--channel-max", type=pos_int, default=2047)
+    g.add_argument("--connection-max", type=pos_int, default=1000)
+    g.add_argument("--max-message-bytes", type=pos_int, default=1024 * 1024,
+                   help="largest message accepted (default 1 MiB; rings hold at least two)")
+
+
+def broker_config(args, data_dir: str, port: int):
+    from pipeline.supervisor import BrokerConfig
+    from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND
+    ring_bytes = max(4 * 1024 * 1024, 4 * args.max_message_bytes + 65536)
+    return BrokerConfig(
+        data_dir=data_dir, port=port,
+        credit=args.credit or DEFAULT_CREDIT, store_credit=args.store_credit or MSG_STORE_CREDIT_DISC_BOUND,
+        channel_delay_us=args.channel_delay_us, queue_delay_us=args.queue_delay_us,
+        store_delay_us=args.store_delay_us, heartbeat_s=args.heartbeat, frame_max=args.frame_max,
+        channel_max=args.channel_max, connection_max=args.connection_max,
+        max_message_bytes=args.max_message_bytes, ring_bytes=ring_bytes,
+        fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
+        confirm_after=args.confirm_after)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="creditflow", description="RabbitMQ's flow control, reproduced with real processes.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+
+    serve = sub.add_parser("serve", help="run the broker alone for outside AMQP clients")
+    serve.add_argument("--port", type=nonneg_int, default=5672)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--data-dir", default="creditflow-data")
+    add_broker_options(serve)
+
+    run = sub.add_parser("run", help="broker + PerfTest-style load, per-second lines, summary.json")
+    run.add_argument("-x", "--producers", type=nonneg_int, default=1)
+    run.add_argument("-y", "--consumers", type=nonneg_int, default=1)
+    run.add_argument("-r", "--rate", type=pos_int, default=None, help="msg/s per producer (default unlimited)")
+    run.add_argument("-s", "--size", type=nonneg_int, default=12, help="message body bytes")
+    run.add_argument("-f", "--flag", action="append", default=[], choices=("persistent", "mandatory"),
+                     help="message flags: persistent, mandatory")
+    run.add_argument("-c", "--confirm", type=pos_int, default=None, help="max unconfirmed publishes per producer")
+    run.add_argument("-q", "--qos", type=nonneg_int, default=0, help="consumer prefetch (0 = unlimited)")
+    run.add_argument("-a", "--autoack", action="store_true", help="consumers use no-ack")
+    run.add_argument("-z", "--time", type=pos_int, default=10, help="seconds to run")
+    run.add_argument("-u", "--queue", default="creditflow-perf", help="queue name")
+    run.add_argument("-L", "--consumer-latency", type=nonneg_int, default=0, help="µs each consumer spends per message")
+    run.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>)")
+    run.add_argument("--port", type=nonneg_int, default=0, help="broker port (default: any free port)")
+    run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    add_broker_options(run)
+
+    ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
+    ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
+    ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    ctl.add_argument("action", choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "stop"))
+    ctl.add_argument("value", nargs="?")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl}[args.command]
+        return handler(args)
+    except UsageError as exc:
+        print(str(exc).splitlines()[0], file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_serve(args) -> int:
+    from pipeline.supervisor import run_broker
+    cfg = broker_config(args, os.path.abspath(args.data_dir), args.port)
+    cfg.host = args.host
+    return run_broker(cfg)
+
+
+def cmd_ctl(args) -> int:
+    from pipeline.ctlclient import BrokerNotRunning, CtlClient
+    if args.action in ("set-watermark", "set-disk-free-limit") and args.value is None:
+        raise UsageError(f"creditflow ctl: {args.action} needs a value")
+    try:
+        with CtlClient(args.data_dir) as client:
+            cmd = args.action.replace("-", "_")
+            reply = client.request(cmd, value=args.value) if args.value is not None else client.request(cmd)
+    except BrokerNotRunning as exc:
+        print(f"creditflow ctl: {exc}", file=sys.stderr)
+        return EXIT_NO_BROKER
+    if args.json or args.action not in ("status", "alarms"):
+        print(json.dumps(reply, indent=2, default=str))
+    elif args.action == "status":
+        print(format_status(reply))
+    else:
+        alarms = reply.get("alarms", {})
+        active = [src for src, a in alarms.items() if a.get("state") == "set"]
+        print("Node reported alarms: " + ", ".join(active) if active else "Node reported no alarms")
+    return EXIT_OK if reply.get("ok") else EXIT_USAGE
+
+
+def format_status(status: dict) -> str:
+    lines = [f"broker {status.get('node')} pid {status.get('pid')} port {status.get('port')} "
+             f"run {status.get('run_id')}"]
+    for name, p in sorted(status.get("processes", {}).items()):
+        if not p.get("alive"):
+            continue
+        extra = ""
+        if p.get("kind") == "queue":
+            extra = f" messages={p.get('messages')} unacked={p.get('unacked')} consumers={p.get('consumers')}"
+        lines.append(f"  {name:<24} {p.get('state'):<9} pid {p.get('pid')}{extra}")
+    alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
+    lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    from pipeline.runner import run_harness
+    return run_harness(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Shared fixtures: a real broker process per test, and a leak check for the session.
+
+Every broker a test starts runs in its own session (process group) and is
+stopped in the fixture's finalizer, which pytest-timeout's signal method
+still runs when a test times out. At the end of the session nothing started
+here may still run and no ``creditflow-`` entry may remain in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CREDITFLOW = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main())"]
+_started: list[subprocess.Popen] = []
+
+
+def creditflow_cmd(*args: str) -> list[str]:
+    exe = Path(sys.executable).with_name("creditflow")
+    return [str(exe), *args] if exe.exists() else [*CREDITFLOW, *args]
+
+
+def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGCONT)
+            proc.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Broker:
+    """A ``creditflow serve`` process and what a test needs to talk to it."""
+
+    def __init__(self, data_dir: Path, extra: tuple[str, ...] = ()):
+        self.data_dir = data_dir
+        self.log_path = data_dir.parent / f"{data_dir.name}.out"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(creditflow_cmd("serve", "--port", "0", "--data-dir", str(data_dir), *extra),
+                                     stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=ROOT)
+        _started.append(self.proc)
+        deadline = time.monotonic() + 30
+        info = data_dir / "broker.json"
+        while not info.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}: {self.output()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"broker did not start: {self.output()}")
+            time.sleep(0.02)
+        self.info = json.loads(info.read_text())
+        self.port = self.info["port"]
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def status(self) -> dict:
+        from pipeline.ctlclient import CtlClient
+        with CtlClient(str(self.data_dir)) as client:
+            return client.request("status")
+
+    def process(self, prefix: str) -> dict:
+        procs = [p for n, p in self.status()["processes"].items() if n.startswith(prefix) and p.get("alive")]
+        assert len(procs) == 1, f"expected one live {prefix} process, got {procs}"
+        return procs[0]
+
+    def wait_for(self, predicate, timeout_s: float = 10.0, what: str = "condition"):
+        deadline = time.monotonic() + timeout_s
+        last = None
+        while time.monotonic() < deadline:
+            last = self.status()
+            if predicate(last):
+                return last
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
+
+    def stop(self) -> int:
+        kill_group(self.proc)
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_broker(tmp_path):
+    brokers: list[Broker] = []
+
+    def start(*extra: str, name: str = "broker") -> Broker:
+        b = Broker(tmp_path / name, tuple(extra))
+        brokers.append(b)
+        return b
+
+    yield start
+    for b in brokers:
+        b.stop()
+
+
+@pytest.fixture
+def broker(start_broker):
+    return start_broker()
+
+
+def _leftover_shm() -> list[str]:
+    try:
+        return sorted(n for n in os.listdir("/dev/shm") if "creditflow-" in n)
+    except FileNotFoundError:
+        return []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leftovers():
+    before = set(_leftover_shm())
+    yield
+    for proc in _started:
+        kill_group(proc, grace_s=5)
+    leaked = [n for n in _leftover_shm() if n not in before]
+    if leaked:
+        from ipc import shm
+        shm.cleanup_stale()
+        pytest.fail(f"tests left shared memory behind: {leaked}")
