@@ -1,0 +1,121 @@
+"""An unmodified pika client against the broker, and bad input that closes one connection only."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pika
+import pytest
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
+
+
+def connect(broker, **kw) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port, **kw))
+
+
+def test_pika_publishes_with_confirms_and_consumes_everything(broker):
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("work", durable=True)
+    ch.confirm_delivery()
+    for i in range(200):
+        ch.basic_publish("", "work", f"m{i}".encode(),
+                         pika.BasicProperties(delivery_mode=2, content_type="text/plain"))
+    got = []
+    for method, props, body in ch.consume("work", inactivity_timeout=5):
+        if method is None:
+            break
+        got.append(body)
+        ch.basic_ack(method.delivery_tag)
+        if len(got) == 200:
+            break
+    ch.cancel()
+    assert got == [f"m{i}".encode() for i in range(200)]
+    assert props.content_type == "text/plain" and props.delivery_mode == 2
+    conn.close()
+    status = broker.wait_for(lambda s: s["processes"]["queue-work"].get("acked") == 200, what="acks")
+    assert status["processes"]["queue-work"]["messages"] == 0
+
+
+def test_basic_get_and_redeclare_report_counts(broker):
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("g")
+    for i in range(3):
+        ch.basic_publish("", "g", b"%d" % i)
+    deadline = time.monotonic() + 5
+    while ch.queue_declare("g", passive=True).method.message_count < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ch.queue_declare("g", passive=True).method.message_count == 3
+    method, _, body = ch.basic_get("g", auto_ack=True)
+    assert body == b"0" and method.message_count == 2
+    conn.close()
+
+
+def test_passive_declare_of_a_missing_queue_closes_the_channel_with_404(broker):
+    conn = connect(broker)
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as exc:
+        ch.queue_declare("nope", passive=True)
+    assert exc.value.reply_code == 404
+    assert conn.is_open, "a channel error must leave the connection open"
+    conn.channel().queue_declare("fine")
+    conn.close()
+
+
+def test_durable_mismatch_is_precondition_failed(broker):
+    conn = connect(broker)
+    conn.channel().queue_declare("d", durable=True)
+    ch = conn.channel()
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker) as exc:
+        ch.queue_declare("d", durable=False)
+    assert exc.value.reply_code == 406
+    conn.close()
+
+
+def read_close(sock: socket.socket, timeout_s: float = 5.0) -> bytes:
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        pass
+    return data
+
+
+def test_wrong_protocol_header_gets_ours_and_only_that_connection_closes(broker):
+    good = connect(broker)
+    good_ch = good.channel()
+    good_ch.queue_declare("still-here")
+    with socket.create_connection(("127.0.0.1", broker.port)) as bad:
+        bad.sendall(b"HTTP/1.1 GET /\r\n\r\n")
+        assert read_close(bad).startswith(b"AMQP\x00\x00\x09\x01")
+    good_ch.basic_publish("", "still-here", b"ok")
+    method, _, body = None, None, None
+    deadline = time.monotonic() + 5
+    while method is None and time.monotonic() < deadline:
+        method, _, body = good_ch.basic_get("still-here", auto_ack=True)
+    assert body == b"ok"
+    good.close()
+
+
+def test_garbage_frame_closes_with_frame_error(broker):
+    with socket.create_connection(("127.0.0.1", broker.port)) as s:
+        s.sendall(b"AMQP\x00\x00\x09\x01")
+        s.settimeout(5)
+        start = s.recv(65536)
+        assert start[0] == 1  # a method frame: connection.start
+        # a method frame whose frame-end octet is wrong
+        s.sendall(struct.pack(">BHI", 1, 0, 4) + b"\x00\x0a\x00\x0b" + b"\x00")
+        data = read_close(s)
+    assert data, "the broker must answer before closing"
+    # connection.close (class 10, method 50) with reply code 501 FRAME_ERROR
+    assert data[7:11] == b"\x00\x0a\x00\x32"
+    assert struct.unpack(">H", data[11:13])[0] == 501

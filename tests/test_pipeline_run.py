@@ -1,0 +1,70 @@
+"""``creditflow run`` end to end: the run directory, losslessness, and a slow store blocking the reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, creditflow_cmd, kill_group
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
+
+
+def run(tmp_path, *args: str, timeout_s: float = 90) -> tuple[int, str, dict]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(creditflow_cmd("run", "--run-dir", str(run_dir), "--plain", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        kill_group(proc)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return proc.returncode, out, summary
+
+
+def test_five_second_run_loses_nothing_and_writes_the_summary(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "100", "-z", "5")
+    assert code == 0, out
+    assert s["published"] > 1000, out
+    assert s["delivered"] == s["published"] and s["lost"] == 0
+    for field in ("confirmed", "nacked", "returned", "publish_rate", "deliver_rate", "latency_us",
+                  "processes", "links", "alarms", "config"):
+        assert field in s
+    kinds = {p["kind"] for p in s["processes"].values()}
+    assert {"reader", "channel", "queue", "store"} <= kinds
+    assert all("flow_fraction" in p for p in s["processes"].values())
+    assert any("reader" in name and "channel" in name for name in s["links"])
+    assert s["latency_us"]["consumer"]["p99"] >= s["latency_us"]["consumer"]["p50"] > 0
+    lines = [line for line in out.splitlines() if line.startswith("time ")]
+    assert len(lines) >= 4, out
+    assert "sent:" in lines[0] and "received:" in lines[0] and "consumer latency" in lines[0]
+
+
+def test_slow_store_blocks_the_reader_and_in_flight_stays_within_credit(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "5000", "-f", "persistent", "-z", "4",
+                       "--store-delay-us", "2000", "--credit", "20,10", "--store-credit", "40,20")
+    assert code == 0, out
+    procs = s["processes"]
+    reader = [p for n, p in procs.items() if n.startswith("reader") and p["block_count"] > 0]
+    assert reader, f"no reader was ever blocked: {procs}"
+    assert any(p["kind"] == "queue" and p["block_count"] > 0 for p in procs.values())
+    links = s["links"]
+    rc = [v["max_in_flight"] for k, v in links.items() if k.startswith("reader") and "channel" in k]
+    cq = [v["max_in_flight"] for k, v in links.items() if k.startswith("channel") and "queue" in k]
+    qs = [v["max_in_flight"] for k, v in links.items() if k.startswith("queue") and k.endswith("store")]
+    assert rc and max(rc) <= 20
+    assert cq and max(cq) <= 20 + 20
+    assert qs and max(qs) <= 40 + 20 + 20
+    assert s["lost"] == 0
+
+
+def test_bad_option_exits_2_with_one_line(tmp_path):
+    proc = subprocess.run(creditflow_cmd("run", "--credit", "100,200"), capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert "100,200" in proc.stderr
