@@ -131,6 +131,7 @@ class Reader(Stage):
             try:
                 sent = self.sock.send(self.outbuf)
                 del self.outbuf[:sent]
+                self.conn.note_sent(time.monotonic_ns())
             except BlockingIOError:
                 pass
             except OSError as exc:
@@ -187,13 +188,17 @@ class Reader(Stage):
         flags = ((wire.PUB_MANDATORY if ev.mandatory else 0)
                  | (wire.PUB_PERSISTENT if ev.delivery_mode == 2 else 0)
                  | (wire.PUB_CONFIRM if slot.confirm else 0))
-        slot.out.put(wire.encode_publish(flags, slot.seq, ev.exchange.encode(),
-                                         ev.routing_key.encode(), ev.props_raw, ev.body))
+        slot.out.put(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
+                                         ev.body))
         self.publishes += 1
         self.credit.send(slot.out.link_id, now_ns)
+        throttle = self.throttle
         if self.credit.blocked:
-            self.throttle.set_reason(FLOW, True)
-        self.notify(self.throttle.publish_received())
+            throttle.set_reason(FLOW, True)
+        if throttle.reasons:
+            self.notify(throttle.publish_received())
+            if not throttle.reading:
+                self.conn.pause_heartbeat_monitor()
 
     def on_event(self, ev, now_ns: int) -> None:
         if isinstance(ev, Method):
@@ -208,7 +213,11 @@ class Reader(Stage):
             else:
                 self.conn.close_channel_ok(ev.channel)
         elif isinstance(ev, ChannelCloseOk):
-            self.drop_channel(ev.channel)
+            slot = self.channels.get(ev.channel)
+            if slot is not None and slot.out is not None:
+                slot.out.put(wire.encode_control({"op": "close"}))
+            else:
+                self.drop_channel(ev.channel)
         elif isinstance(ev, Opened):
             if self.refuse:
                 self.conn.close(530, self.refuse, 10, 40)
@@ -365,11 +374,15 @@ class Reader(Stage):
             if reason is not None:
                 self.notify(self.throttle.set_reason(reason, tok.kind == TokenKind.ALARM_SET))
                 self.dirty = True
+                if self.throttle.reading:
+                    self.conn.resume_heartbeat_monitor(now_ns)
             return
         super().on_token(tok, now_ns)
         if tok.kind in (TokenKind.BUMP, TokenKind.PEER_DOWN) and FLOW in self.throttle.reasons \
                 and not self.credit.blocked:
             self.notify(self.throttle.set_reason(FLOW, False))
+        if self.throttle.reading:
+            self.conn.resume_heartbeat_monitor(now_ns)
 
     def on_stop(self) -> None:
         if self.conn.state not in ("closing", "closed"):
@@ -389,13 +402,15 @@ class Reader(Stage):
         except OSError:
             pass
 
+    def state_key(self):
+        return (self.credit.blocked, self.throttle.reported_state())
+
     def extra_stats(self, now_ns: int) -> dict:
         return {"conn_state": self.throttle.reported_state(), "publishes": self.publishes,
                 "deliveries": self.deliveries, "channels": len(self.channels),
                 "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),
                 "notices": [list(n) for n in self.state_changes[-20:]],
-                "unread_bytes": getattr(self.conn, "buffered_bytes", lambda: 0)()
-                if callable(getattr(self.conn, "buffered_bytes", None)) else None}
+                "unparsed_bytes": self.conn.buffered_bytes()}
 
     def shutdown(self) -> None:
         try:

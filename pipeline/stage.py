@@ -224,6 +224,7 @@ class Stage:
             return
         for tok in toks:
             self.on_token(tok, now_ns)
+        self.dirty = True
 
     def on_token(self, tok, now_ns: int) -> None:
         if tok.kind == TokenKind.BUMP:
@@ -274,6 +275,10 @@ class Stage:
 
     def can_read_more(self) -> bool:
         return True
+
+    def state_key(self):
+        """What, when it changes, is pushed to the supervisor at once."""
+        return self.credit.blocked
 
     def flush_links(self) -> None:
         for link in self.out_links.values():
@@ -340,16 +345,16 @@ class Stage:
             handled = self.poll_links(now)
             self.after_io(now)
             self.flush_links()
-            blocked = self.credit.blocked
             if handled:
                 self.dirty = True
-            if blocked != self.was_blocked:
-                self.was_blocked = blocked
+            key = self.state_key()
+            if key != self.was_blocked:
+                self.was_blocked = key
                 self.push_stats(now)
-                self.dirty = True
+                self.dirty = False
             elif self.dirty and now - self.last_stats_ns >= STATS_INTERVAL_MS * 1_000_000:
                 self.push_stats(now)
-                self.dirty = bool(handled)
+                self.dirty = False
         self.shutdown()
         return self.exit_code
 

@@ -13,6 +13,7 @@ confirmed.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from pipeline import wire
@@ -115,7 +116,7 @@ class Store(Stage):
         events, self.fsync_events = self.fsync_events, []
         return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs,
                 "fsync_ms_total": self.fsync_ns_total / 1e6, "fsync_events": events,
-                "segments": self.segments.statistics().__dict__ if hasattr(self.segments, "statistics") else {}}
+                "segments": dataclasses.asdict(self.segments.statistics())}
 
 
 __all__ = ["Store", "READ_BATCH_RECORDS"]

@@ -1,0 +1,1 @@
+"""On-disk layer of the message store: record format, segment files."""
