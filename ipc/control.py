@@ -8,6 +8,7 @@ doorbell.
 
 from __future__ import annotations
 
+import array
 import json
 import select
 import socket
@@ -53,11 +54,17 @@ def _decode(data: bytes) -> dict:
 
 def recv_msg_nowait(sock: socket.socket) -> tuple[dict, list[int]]:
     try:
-        data, fds, _flags, _addr = socket.recv_fds(sock, MAX_CONTROL_BYTES, MAX_FDS, socket.MSG_DONTWAIT)
+        # socket.recv_fds ignores its flags in Python 3.11, so use recvmsg directly
+        data, ancdata, _flags, _addr = sock.recvmsg(MAX_CONTROL_BYTES, socket.CMSG_SPACE(MAX_FDS * 4),
+                                                    socket.MSG_DONTWAIT)
     except BlockingIOError:
         raise WouldBlock("no control message waiting") from None
     except ConnectionResetError:
         raise PeerGone("the other end of the control socket is gone") from None
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
     if not data and not fds:
         raise PeerGone("the other end of the control socket closed it")
     return _decode(data), list(fds)

@@ -176,7 +176,7 @@ class Channel(Stage):
             return
         if flags & wire.PUB_CONFIRM:
             self.pending[seq] = 1
-        q.out.put(record)
+        q.out.put_message(record)
         self.credit.send(q.out.link_id, now)
         self.routed += 1
 
@@ -188,7 +188,7 @@ class Channel(Stage):
                 self.pending.pop(seq, None)
             self.unroutable_publish(flags, seq, record, None)
             return
-        q.out.put(record)
+        q.out.put_message(record)
         self.credit.send(q.out.link_id, now)
         self.routed += 1
 

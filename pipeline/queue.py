@@ -121,7 +121,7 @@ class Queue(Stage):
         if (flags & wire.PUB_PERSISTENT and self.durable and self.store_out is not None
                 and wire.content_body_len(record) >= QUEUE_INDEX_EMBED_MSGS_BELOW):
             on_store = self.id_prefix + struct.pack("<Q", msg_id)
-            self.store_out.put(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+            self.store_out.put_message(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
             self.credit.send(self.store_out.link_id, time.monotonic_ns())
             self.stored += 1
         if flags & wire.PUB_CONFIRM:

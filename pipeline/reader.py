@@ -188,7 +188,7 @@ class Reader(Stage):
         flags = ((wire.PUB_MANDATORY if ev.mandatory else 0)
                  | (wire.PUB_PERSISTENT if ev.delivery_mode == 2 else 0)
                  | (wire.PUB_CONFIRM if slot.confirm else 0))
-        slot.out.put(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
+        slot.out.put_message(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
                                          ev.body))
         self.publishes += 1
         self.credit.send(slot.out.link_id, now_ns)
@@ -324,13 +324,15 @@ class Reader(Stage):
     def on_channel_control(self, link, msg: dict) -> None:
         op = msg.get("op")
         channel = msg.get("channel")
+        slot = self.channels.get(channel)
+        if slot is not None and slot.inp is not link:
+            return  # from a channel process that an earlier open of this number left behind
         if op == "closed":
             self.conn.close_channel_ok(channel)
             self.drop_channel(channel)
         elif op == "channel_error":
             self.conn.close_channel(channel, msg["code"], msg["text"], msg.get("class_id", 0),
                                     msg.get("method_id", 0))
-            slot = self.channels.get(channel)
             if slot is not None and slot.out is not None:
                 slot.out.put(wire.encode_control({"op": "close"}))
                 slot.ready = False

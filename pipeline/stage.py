@@ -40,7 +40,7 @@ class OutLink:
     frees space."""
 
     __slots__ = ("link_id", "peer", "segment", "ring", "doorbell", "inbox", "flow",
-                 "overflow", "staged", "sent")
+                 "overflow", "staged", "records", "messages")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
                  peer_doorbell_fd: int, flow: bool):
@@ -52,10 +52,16 @@ class OutLink:
         self.flow = flow
         self.overflow: collections.deque = collections.deque()
         self.staged = 0
-        self.sent = 0
+        self.records = 0       # every record put on this link
+        self.messages = 0      # the credit-bearing ones (publishes, store writes)
+
+    def put_message(self, record) -> None:
+        """Put a record that costs credit (the caller spends it with ``CreditFlow.send``)."""
+        self.messages += 1
+        self.put(record)
 
     def put(self, record) -> None:
-        self.sent += 1
+        self.records += 1
         if not self.overflow:
             try:
                 self.ring.write_nowait(record)
@@ -291,7 +297,8 @@ class Stage:
         for link in self.out_links.values():
             rs = link.ring.statistics()
             links[f"{self.name}->{link.peer}"] = {
-                "sent": link.sent, "in_flight": rs.in_flight + len(link.overflow),
+                "sent": link.messages, "records": link.records,
+                "in_flight": rs.in_flight + len(link.overflow),
                 "max_in_flight": rs.max_in_flight, "overflow": len(link.overflow),
                 "credit": self.credit.credit_towards(link.link_id) if link.flow else None,
             }

@@ -184,6 +184,8 @@ class Supervisor:
             if pid == 0:
                 code = EXIT_STAGE_CRASHED
                 try:
+                    import faulthandler
+                    faulthandler.register(signal.SIGUSR1, all_threads=False)
                     _child_setup(f"cf-{name}", {inbox_r, doorbell.fileno(), child_ctl.fileno(), *extra_keep})
                     signal.pthread_sigmask(signal.SIG_SETMASK, old)
                     stage = factory(child_ctl, inbox_r, doorbell.fileno())
@@ -287,10 +289,8 @@ class Supervisor:
     def open_channel(self, reader: Proc, number: int) -> None:
         cfg = self.cfg
         name = f"channel-{reader.name.split('-', 1)[1]}.{number}"
-        if name in self.procs:
-            control.send_msg(reader.ctl, {"type": "channel_refused", "channel": number, "code": 504,
-                                          "text": f"CHANNEL_ERROR - second 'channel.open' seen"})
-            return
+        if name in self.procs:  # the same number reopened while its old process is still stopping
+            name = f"{name}-{self.next_link}"
 
         def factory(ctl, inbox, bell):
             from pipeline.channel import Channel
@@ -479,9 +479,9 @@ class Supervisor:
         for name, st in self.stats.items():
             proc = self.procs.get(name)
             processes[name] = {
+                **{k: v for k, v in st.items() if k not in ("type", "fsync_events", "state")},
                 "kind": st.get("kind"), "pid": st.get("pid"), "alive": proc is not None,
-                "state": state_at(st, now), **{k: v for k, v in st.items() if k not in ("type", "fsync_events")},
-                "samples": self.samples.get(name, {}),
+                "state": state_at(st, now), "samples": self.samples.get(name, {}),
             }
         links = {}
         for st in self.stats.values():

@@ -49,6 +49,8 @@ class Recorder:
                              "data": data})
 
     def log(self, level: str, line: str) -> None:
+        if self.logfile.closed:
+            return
         self.logfile.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{level}] {line}\n" if line else "\n")
 
     def flush_if_due(self) -> None:
