@@ -33,7 +33,7 @@ from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 RECV_BYTES = 128 * 1024
 OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
-CLOSE_TIMEOUT_NS = 3_000_000_000
+CLOSE_TIMEOUT_NS = 1_000_000_000
 ALARM_SOURCES = {1: MEMORY, 2: DISK}
 
 BASIC_ACK = (60, 80)
@@ -93,7 +93,7 @@ class Reader(Stage):
     # -- socket ----------------------------------------------------------------
     def _set_interest(self) -> None:
         want = 0
-        if self.throttle.reading and not self.eof:
+        if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
             want |= selectors.EVENT_READ
         if self.outbuf:
             want |= selectors.EVENT_WRITE
@@ -110,7 +110,7 @@ class Reader(Stage):
     def on_ready(self, key) -> None:
         if key.data != "sock":
             return
-        if self.throttle.reading and not self.eof:
+        if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
             try:
                 data = self.sock.recv(RECV_BYTES)
             except BlockingIOError:

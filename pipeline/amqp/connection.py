@@ -209,6 +209,8 @@ class ServerConnection:
         while True:
             if self.state == "closed":
                 return None
+            if self._pos >= _COMPACT_BYTES:
+                self._compact()
             buf = self._buf
             pos = self._pos
             if self.state == "awaiting_header":
@@ -237,8 +239,6 @@ class ServerConnection:
             self._pos = pe + 1
             self.frames_in += 1
             self._last_in_ns = now_ns
-            if self._pos >= _COMPACT_BYTES:
-                self._compact()
             try:
                 event = self._frame(ftype, channel, buf, ps, pe)
             except ChannelLevelError as err:

@@ -1,0 +1,1 @@
+"""PerfTest-shaped load: publisher and consumer processes speaking AMQP over loopback."""
