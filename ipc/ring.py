@@ -77,6 +77,8 @@ class Ring:
     # -- producer ---------------------------------------------------------------------
     def write_nowait(self, record) -> None:
         n = len(record)
+        if n > self.max_record_bytes:
+            raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record_bytes}")
         need = n + 4
         cap = self.capacity_bytes
         wpos = self._wpos
@@ -86,9 +88,6 @@ class Ring:
         if wpos + total - self._rpos_seen > cap:
             self._rpos_seen = _U64.unpack_from(self.mv, _R_POS)[0]
             if wpos + total - self._rpos_seen > cap:
-                if n > self.max_record_bytes:
-                    raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of "
-                                         f"{self.max_record_bytes}")
                 raise WouldBlock("ring is full")
         mv = self.mv
         if need > tail:

@@ -394,6 +394,9 @@ class Reader(Stage):
     def finish(self) -> None:
         if self.closing_since_ns is None:
             self.closing_since_ns = time.monotonic_ns()
+            for slot in self.channels.values():   # in order after every publish already passed on
+                if slot.out is not None:
+                    slot.out.put(wire.encode_control({"op": "close"}))
             if self.throttle.state != "closing":
                 self.throttle.close()
             self.dirty = True

@@ -32,6 +32,7 @@ from ipc.tokens import Kind as TokenKind
 STATS_INTERVAL_MS = 100
 OVERFLOW_RETRY_MS = 5
 READ_BATCH_RECORDS = 256
+STOP_DRAIN_NS = 1_000_000_000
 
 
 class OutLink:
@@ -161,6 +162,7 @@ class Stage:
         self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, "inbox")
         self.selector.register(self.ctl.fileno(), selectors.EVENT_READ, "ctl")
         self.running = True
+        self.stopping_since_ns: int | None = None
         self.exit_code = 0
         self.dirty = True
         self.last_stats_ns = 0
@@ -263,7 +265,8 @@ class Stage:
                 self.on_control(msg, fds)
 
     def on_stop(self) -> None:
-        self.running = False
+        """Stop once every inbound ring is empty (what was sent to us is still handled)."""
+        self.stopping_since_ns = time.monotonic_ns()
 
     def poll_links(self, now_ns: int) -> int:
         handled = 0
@@ -332,6 +335,8 @@ class Stage:
             if self.dirty:
                 due = (self.last_stats_ns + STATS_INTERVAL_MS * 1_000_000 - now) / 1e9
                 timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
+            if self.stopping_since_ns is not None:
+                timeout = 0.0 if timeout is None else min(timeout, 0.01)
             if any(link.overflow for link in self.out_links.values()):
                 retry = OVERFLOW_RETRY_MS / 1000
                 timeout = retry if timeout is None else min(timeout, retry)
@@ -362,6 +367,9 @@ class Stage:
             elif self.dirty and now - self.last_stats_ns >= STATS_INTERVAL_MS * 1_000_000:
                 self.push_stats(now)
                 self.dirty = False
+            if self.stopping_since_ns is not None and (
+                    not handled or now - self.stopping_since_ns > STOP_DRAIN_NS):
+                self.running = False
         self.shutdown()
         return self.exit_code
 

@@ -102,9 +102,6 @@ class Store(Stage):
             return None
         return max(0.0, (self.first_unsynced_ns + self.sync_interval_ns - now_ns) / 1e9)
 
-    def on_stop(self) -> None:
-        self.running = False
-
     def shutdown(self) -> None:
         if self.first_unsynced_ns is not None:
             self.sync(time.monotonic_ns())

@@ -126,7 +126,9 @@ class Publisher:
             return 1
         self.settle_confirms()
         self.report(time.monotonic_ns(), final=True)
-        self.client.close()
+        # wait for close-ok: closing earlier, with publishes still unread by a blocked broker,
+        # would reset the connection and the kernel would drop them
+        self.client.close(timeout_s=self.cfg.drain_timeout_s)
         return 0
 
     def try_send(self) -> None:
