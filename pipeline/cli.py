@@ -55,7 +55,35 @@ def pos_int(text: str) -> int:
     return value
 
 
+def watermark_arg(text: str) -> str:
+    from alarms.errors import InvalidLimit
+    from alarms.limits import parse_memory_watermark
+    try:
+        parse_memory_watermark(text)
+    except InvalidLimit as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def disk_limit_arg(text: str) -> str:
+    from alarms.errors import InvalidLimit
+    from alarms.limits import parse_disk_free_limit
+    try:
+        parse_disk_free_limit(text)
+    except InvalidLimit as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def add_broker_options(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument_group("resource alarms")
+    a.add_argument("--memory-watermark", type=watermark_arg, default="0.6",
+                   help="vm_memory_high_watermark: fraction of RAM (0.6) or absolute (512MiB); 0 forces the alarm")
+    a.add_argument("--memory-strategy", choices=("rss", "system"), default="rss",
+                   help="rss: the broker's processes, shared pages once (default); system: host memory in use")
+    a.add_argument("--disk-free-limit", type=disk_limit_arg, default="50MB",
+                   help="disk_free_limit: absolute (50MB) or mem_relative:F")
+    a.add_argument("--memory-poll-ms", type=pos_int, default=100, help="memory poll interval (default 100 ms)")
     g = p.add_argument_group("broker")
     g.add_argument("--credit", type=credit_arg, default=None, metavar="I,M",
                    help="credit_flow_default_credit {InitialCredit,MoreCreditAfter} (default 400,200; 0,0 disables)")
@@ -88,7 +116,9 @@ def broker_config(args, data_dir: str, port: int):
         channel_max=args.channel_max, connection_max=args.connection_max,
         max_message_bytes=args.max_message_bytes, ring_bytes=ring_bytes,
         fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
-        confirm_after=args.confirm_after)
+        confirm_after=args.confirm_after,
+        watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
+                  "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms})
 
 
 def build_parser() -> Parser:

@@ -215,6 +215,11 @@ class Stage:
         self.on_link_attached(link)
 
     def detach(self, link_id: int, now_ns: int) -> None:
+        inbound = self.in_links.get(link_id)
+        if inbound is not None:  # what the peer sent before it went away is still ours to handle
+            while records := inbound.read():
+                for record in records:
+                    self.on_record(inbound, record)
         self.send_grants(self.credit.peer_down(link_id, now_ns))
         for links in (self.out_links, self.in_links):
             link = links.pop(link_id, None)

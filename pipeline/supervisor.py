@@ -106,9 +106,9 @@ def _child_setup(title: str, keep: set[int]) -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     libc.prctl(PR_SET_NAME, ctypes.c_char_p(title.encode()[:15]))
     signal.set_wakeup_fd(-1)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the supervisor alone stops stages
+        signal.signal(sig, signal.SIG_IGN)
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
         if fd > 2 and fd not in keep:

@@ -52,6 +52,7 @@ class Recorder:
         if self.logfile.closed:
             return
         self.logfile.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [{level}] {line}\n" if line else "\n")
+        self.logfile.flush()  # log lines are few and someone may be tailing them
 
     def flush_if_due(self) -> None:
         if time.monotonic() - self.last_flush >= FLUSH_INTERVAL_S:
