@@ -149,6 +149,18 @@ def build_parser() -> Parser:
     run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     add_broker_options(run)
 
+    demo = sub.add_parser("demo", help="reproduce a memory alarm: publishers blocked, consumer drains, alarm clears")
+    demo.add_argument("--rate", type=pos_int, default=6000, help="publisher msg/s (default 6000)")
+    demo.add_argument("--size", type=pos_int, default=4000, help="message bytes (default 4000)")
+    demo.add_argument("--consumer-latency", type=nonneg_int, default=300, help="µs the consumer spends per message")
+    demo.add_argument("--prefetch", type=pos_int, default=100)
+    demo.add_argument("--headroom-mb", type=pos_int, default=64,
+                      help="watermark = the broker's footprint + this many MiB (default 64)")
+    demo.add_argument("--memory-strategy", choices=("rss", "system"), default="rss")
+    demo.add_argument("--max-seconds", type=pos_int, default=100, help="give up after this long")
+    demo.add_argument("--run-dir", default=None)
+    demo.add_argument("--plain", action="store_true")
+
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
@@ -161,7 +173,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl}[args.command]
+        handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo}[args.command]
         return handler(args)
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
@@ -212,6 +224,11 @@ def format_status(status: dict) -> str:
     alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
     return "\n".join(lines)
+
+
+def cmd_demo(args) -> int:
+    from pipeline.demo import run_demo
+    return run_demo(args)
 
 
 def cmd_run(args) -> int:

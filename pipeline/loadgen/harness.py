@@ -215,8 +215,8 @@ def _collect(cfg: LoadConfig, workers: list[Worker], start_ns: int, on_second) -
                         hist_confirm.add(latency.decode(r["confirm_hist"]))
             if not stopped_publishers:
                 seconds.append(rep)
-                if on_second is not None:
-                    on_second(rep)
+                if on_second is not None and on_second(rep) is True:
+                    stop_ns = min(stop_ns, time.monotonic_ns())   # the caller has seen enough
             k += 1
             continue
         if not stopped_publishers and now >= stop_ns:
