@@ -86,6 +86,10 @@ class Reader(Stage):
         self.closing_since_ns: int | None = None
         self.publishes = 0
         self.deliveries = 0
+        self.last_publish_ns = 0
+        self.stopped_reading_ns = 0          # when it last stopped reading (blocked by credit or an alarm)
+        self.resumed_ns = 0                  # when it last started reading again
+        self.first_publish_after_resume_ns = 0
         self.last_tick_ns = now
         self.state_changes: list = []
         self._set_interest()
@@ -191,6 +195,9 @@ class Reader(Stage):
         slot.out.put_message(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
                                          ev.body))
         self.publishes += 1
+        if self.last_publish_ns < self.resumed_ns:
+            self.first_publish_after_resume_ns = now_ns
+        self.last_publish_ns = now_ns
         self.credit.send(slot.out.link_id, now_ns)
         throttle = self.throttle
         if self.credit.blocked:
@@ -198,6 +205,7 @@ class Reader(Stage):
         if throttle.reasons:
             self.notify(throttle.publish_received())
             if not throttle.reading:
+                self.stopped_reading_ns = now_ns
                 self.conn.pause_heartbeat_monitor()
 
     def on_event(self, ev, now_ns: int) -> None:
@@ -376,14 +384,17 @@ class Reader(Stage):
             if reason is not None:
                 self.notify(self.throttle.set_reason(reason, tok.kind == TokenKind.ALARM_SET))
                 self.dirty = True
-                if self.throttle.reading:
-                    self.conn.resume_heartbeat_monitor(now_ns)
+                self.note_resume(now_ns)
             return
         super().on_token(tok, now_ns)
         if tok.kind in (TokenKind.BUMP, TokenKind.PEER_DOWN) and FLOW in self.throttle.reasons \
                 and not self.credit.blocked:
             self.notify(self.throttle.set_reason(FLOW, False))
-        if self.throttle.reading:
+        self.note_resume(now_ns)
+
+    def note_resume(self, now_ns: int) -> None:
+        if self.throttle.reading and self.resumed_ns < self.stopped_reading_ns:
+            self.resumed_ns = now_ns
             self.conn.resume_heartbeat_monitor(now_ns)
 
     def on_stop(self) -> None:
@@ -412,6 +423,8 @@ class Reader(Stage):
 
     def extra_stats(self, now_ns: int) -> dict:
         return {"conn_state": self.throttle.reported_state(), "publishes": self.publishes,
+                "last_publish_ns": self.last_publish_ns, "stopped_reading_ns": self.stopped_reading_ns,
+                "resumed_ns": self.resumed_ns, "first_publish_after_resume_ns": self.first_publish_after_resume_ns,
                 "deliveries": self.deliveries, "channels": len(self.channels),
                 "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),
                 "notices": [list(n) for n in self.state_changes[-20:]],
