@@ -21,7 +21,8 @@ import sys
 import time
 
 from pipeline.ctlclient import CtlClient, wait_for_broker
-from pipeline.runner import LogTail, default_run_dir, start_broker, states_line, stop_broker, summarize
+from pipeline.runner import (LogTail, SecondsLog, default_run_dir, start_broker, states_line, stop_broker,
+                             summarize)
 from pipeline.supervisor import BrokerConfig
 
 EXIT_PHASE_MISSED = 5
@@ -80,9 +81,11 @@ def run_demo(args) -> int:
                           port=info["port"])
         tail = LogTail(os.path.join(run_dir, "broker.log"))
         view = View(plain=args.plain)
+        seconds = SecondsLog(run_dir)
         with CtlClient(run_dir) as ctl, view:
             def on_second(rep) -> bool:
                 status = ctl.request("status")
+                seconds.write(rep, status)
                 for line in tail.new_lines():
                     view.log(line)
                 wd = status["processes"].get("watchdog", {})
@@ -125,6 +128,7 @@ def run_demo(args) -> int:
             started = time.monotonic()
             result = run_load(load, on_second=on_second)
             final = ctl.request("status")
+        seconds.close()
         for line in tail.new_lines():
             view.log(line)
     finally:

@@ -101,6 +101,23 @@ class LogTail:
         return out
 
 
+class SecondsLog:
+    """``RUN_DIR/seconds.jsonl``: the load generator's per-second report, one JSON object a line."""
+
+    def __init__(self, run_dir: str):
+        self.f = open(os.path.join(run_dir, "seconds.jsonl"), "w", encoding="utf-8")
+
+    def write(self, rep, status: dict) -> None:
+        row = {k: v for k, v in vars(rep).items()}
+        row["at_ns"] = time.monotonic_ns()
+        row["states"] = {n: p.get("state") for n, p in status.get("processes", {}).items() if p.get("alive")}
+        self.f.write(json.dumps(row, default=str) + "\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
 def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
@@ -157,15 +174,18 @@ def run_harness(args) -> int:
             json.dump(config, f, indent=2, default=str)
         tail = LogTail(os.path.join(run_dir, "broker.log"))
         view = View(plain=args.plain)
+        seconds = SecondsLog(run_dir)
         with CtlClient(run_dir) as ctl, view:
             def on_second(rep) -> None:
                 status = ctl.request("status")
+                seconds.write(rep, status)
                 for line in tail.new_lines():
                     view.log(line)
                 view.second(format_line(rep), states_line(status), status)
 
             result = run_load(load, on_second=on_second)
             final = ctl.request("status")
+        seconds.close()
         for line in tail.new_lines():
             view.log(line)
     finally:
