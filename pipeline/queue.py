@@ -30,6 +30,7 @@ from pipeline.channel import busy_wait_ns
 from pipeline.stage import Stage
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
+DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000
 TRIM_INTERVAL_NS = 1_000_000_000
 
@@ -76,6 +77,7 @@ class Queue(Stage):
         self.unacked: dict[int, tuple] = {}                       # msg_id -> (record, consumer or (reader, channel), on_store)
         self.consumers: list[Consumer] = []
         self.rr = 0
+        self.window_full = False
         self.reader_links: dict[str, object] = {}
         self.peer_out: dict[str, object] = {}                     # peer name -> out link
         self.store_out = None
@@ -203,17 +205,24 @@ class Queue(Stage):
             self.peak_messages = backlog
 
     def deliver_ready(self) -> None:
+        """Round-robin over consumers with prefetch room and room in their reader's window."""
         messages = self.messages
+        room = {}
+        for c in self.consumers:
+            if c.link.link_id not in room:
+                stats = c.link.ring.statistics()
+                room[c.link.link_id] = DELIVERY_WINDOW - (stats.in_flight + len(c.link.overflow))
         consumers = self.consumers
         n = len(consumers)
         idle = 0
         while messages and idle < n:
             c = consumers[self.rr % n]
             self.rr += 1
-            if c.link.overflow or (c.prefetch and c.unacked >= c.prefetch):
+            if room[c.link.link_id] <= 0 or (c.prefetch and c.unacked >= c.prefetch):
                 idle += 1
                 continue
             idle = 0
+            room[c.link.link_id] -= 1
             msg_id, record, redelivered, on_store = messages.popleft()
             flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if c.no_ack else 0)
             c.link.put(wire.encode_deliver(flags, c.channel, msg_id, c.ctag_bytes,
@@ -226,12 +235,19 @@ class Queue(Stage):
             else:
                 c.unacked += 1
                 self.unacked[msg_id] = (record, c, on_store)
+        self.window_full = False
+        for c in self.consumers:
+            full = room[c.link.link_id] <= 0 and bool(messages)
+            if full:
+                self.window_full = True
+            if full or c.link.ring.writer_waiting:
+                c.link.ring.writer_waiting = full   # the reader answers a waiting writer with a SPACE token
 
     def timeout_s(self, now_ns: int) -> float | None:
-        # a consumer ring that was full frees space without telling us when the
-        # SPACE token races with writer_waiting; retry deliveries shortly.
-        if self.messages and any(c.link.overflow for c in self.consumers):
-            return 0.005
+        # SPACE tokens wake us when a reader drains a full window; this only covers the race
+        # where it drained everything before we raised the flag
+        if self.window_full and self.messages:
+            return 0.01
         return None
 
     # -- operations from channels ---------------------------------------------------------

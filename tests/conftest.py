@@ -80,8 +80,12 @@ class Broker:
         with CtlClient(str(self.data_dir)) as client:
             return client.request("status")
 
-    def process(self, prefix: str) -> dict:
-        procs = [p for n, p in self.status()["processes"].items() if n.startswith(prefix) and p.get("alive")]
+    def process(self, prefix: str, timeout_s: float = 10.0) -> dict:
+        """The one live process named ``prefix*``, once it has reported its statistics."""
+        status = self.wait_for(lambda s: [p for n, p in s["processes"].items()
+                                          if n.startswith(prefix) and p.get("alive")],
+                               timeout_s, what=f"a live {prefix} process")
+        procs = [p for n, p in status["processes"].items() if n.startswith(prefix) and p.get("alive")]
         assert len(procs) == 1, f"expected one live {prefix} process, got {procs}"
         return procs[0]
 
@@ -90,8 +94,11 @@ class Broker:
         last = None
         while time.monotonic() < deadline:
             last = self.status()
-            if predicate(last):
-                return last
+            try:
+                if predicate(last):
+                    return last
+            except (KeyError, IndexError):
+                pass  # the process or link has not reported yet
             time.sleep(0.05)
         raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
 

@@ -44,7 +44,7 @@ def reader_states(status: dict) -> dict:
 
 
 def queue_stat(broker, q: str, key: str):
-    return broker.status()["processes"][f"queue-{q}"][key]
+    return broker.process(f"queue-{q}")[key]
 
 
 def test_memory_alarm_blocks_the_publisher_while_a_consumer_drains(broker):
