@@ -116,6 +116,14 @@ class Ring:
         _U64.pack_into(self.mv, _W_POS, self._wpos)
         return staged
 
+    def records_committed(self) -> int:
+        """Records this producer has published (its own count; no shared read)."""
+        return self._written
+
+    def records_released(self) -> int:
+        """Records the consumer has read and released (read from the shared header)."""
+        return _U64.unpack_from(self.mv, _R_REC)[0]
+
     def write_batch(self, records) -> int:
         count = 0
         try:

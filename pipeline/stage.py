@@ -30,6 +30,8 @@ from ipc.errors import PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
 
 STATS_INTERVAL_MS = 100
+STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not more often than this
+IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
 OVERFLOW_RETRY_MS = 5
 READ_BATCH_RECORDS = 256
 STOP_DRAIN_NS = 1_000_000_000
@@ -86,12 +88,17 @@ class OutLink:
             if not overflow:
                 ring.writer_waiting = False
         if self.staged:
-            self.ring.commit()
+            ring = self.ring
+            before = ring.records_committed()
+            ring.commit()
             self.staged = 0
-            try:
-                self.doorbell.ring()
-            except OSError:
-                pass
+            # Ring only if the receiver had read everything before this commit: then it may be
+            # asleep. Otherwise it has records of ours still to read and will poll this ring again.
+            if ring.records_released() >= before:
+                try:
+                    self.doorbell.ring()
+                except OSError:
+                    pass
 
     def close(self) -> None:
         for closer in (self.segment.close, self.doorbell.close):
@@ -342,6 +349,8 @@ class Stage:
                 timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
             if self.stopping_since_ns is not None:
                 timeout = 0.0 if timeout is None else min(timeout, 0.01)
+            if self.in_links:
+                timeout = IDLE_CHECK_S if timeout is None else min(timeout, IDLE_CHECK_S)
             if any(link.overflow for link in self.out_links.values()):
                 retry = OVERFLOW_RETRY_MS / 1000
                 timeout = retry if timeout is None else min(timeout, retry)
@@ -365,10 +374,12 @@ class Stage:
             if handled:
                 self.dirty = True
             key = self.state_key()
-            if key != self.was_blocked:
+            if key != self.was_blocked and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
                 self.was_blocked = key
                 self.push_stats(now)
                 self.dirty = False
+            elif key != self.was_blocked:
+                self.dirty = True
             elif self.dirty and now - self.last_stats_ns >= STATS_INTERVAL_MS * 1_000_000:
                 self.push_stats(now)
                 self.dirty = False
