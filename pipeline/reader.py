@@ -72,11 +72,10 @@ class Reader(Stage):
         now = time.monotonic_ns()
         self.conn = ServerConnection(node_name=node_name, heartbeat_s=heartbeat_s,
                                      frame_max=frame_max, channel_max=channel_max,
-                                     max_message_bytes=max_message_bytes, now_ns=now)
+                                     max_message_bytes=max_message_bytes, now_ns=now, refuse_open=refuse)
         self.throttle = Throttle()
         for reason in alarms:
             self.throttle.set_reason(reason, True)
-        self.refuse = refuse
         self.channels: dict[int, ChannelSlot] = {}
         self.by_out_link: dict[int, ChannelSlot] = {}
         self.queue_links: dict[int, bytes] = {}     # in-link id -> queue name
@@ -226,10 +225,6 @@ class Reader(Stage):
                 slot.out.put(wire.encode_control({"op": "close"}))
             else:
                 self.drop_channel(ev.channel)
-        elif isinstance(ev, Opened):
-            if self.refuse:
-                self.conn.close(530, self.refuse, 10, 40)
-                self.finish()
         elif isinstance(ev, (CloseRequested, Closed)):
             self.finish()
         elif isinstance(ev, ProtocolError):

@@ -119,3 +119,32 @@ def test_garbage_frame_closes_with_frame_error(broker):
     # connection.close (class 10, method 50) with reply code 501 FRAME_ERROR
     assert data[7:11] == b"\x00\x0a\x00\x32"
     assert struct.unpack(">H", data[11:13])[0] == 501
+
+
+def test_a_connection_over_the_limit_is_refused_with_530(start_broker):
+    broker = start_broker("--connection-max", "1")
+    first = connect(broker)
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError) as exc:
+        connect(broker)
+    assert "530" in str(exc.value) or "connection limit" in str(exc.value)
+    first.channel().queue_declare("still-fine")
+    first.close()
+
+
+def test_a_channel_over_channel_max_is_refused_with_530(start_broker):
+    from pamqp import commands, frame
+    from pipeline.amqp import frames
+    broker = start_broker("--channel-max", "2")
+    with socket.create_connection(("127.0.0.1", broker.port)) as s:
+        s.settimeout(5)
+        s.sendall(frames.PROTOCOL_HEADER)
+        s.recv(65536)
+        s.sendall(frame.marshal(commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
+                                                            response="\0guest\0guest"), 0))
+        s.recv(65536)
+        s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0)
+                  + frame.marshal(commands.Connection.Open(), 0))
+        s.recv(65536)
+        s.sendall(frame.marshal(commands.Channel.Open(), 5))
+        data = read_close(s)
+    assert data[7:11] == b"\x00\x0a\x00\x32" and struct.unpack(">H", data[11:13])[0] == 530

@@ -144,8 +144,9 @@ class _Assembly:
 class ServerConnection:
     def __init__(self, *, node_name: str = "creditflow@localhost", heartbeat_s: int = 60,
                  frame_max: int = 131072, channel_max: int = 2047, max_message_bytes: int = 16 * 1024 * 1024,
-                 users=None, now_ns: int = 0):
+                 users=None, now_ns: int = 0, refuse_open: str | None = None):
         self.node_name = node_name
+        self.refuse_open = refuse_open      # reply text for a 530 in place of open-ok (over a limit)
         self.server_heartbeat_s = heartbeat_s
         self.server_frame_max = frame_max
         self.server_channel_max = channel_max
@@ -308,6 +309,8 @@ class ServerConnection:
                 raise ConnectionLevelError(E.NOT_ALLOWED, f"NOT_ALLOWED - access to vhost "
                                                           f"'{method.virtual_host}' refused for user "
                                                           f"'{self.user}'", *key)
+            if self.refuse_open:
+                raise ConnectionLevelError(E.NOT_ALLOWED, self.refuse_open, *key)
             self.vhost = method.virtual_host
             self._method(0, commands.Connection.OpenOk())
             self.state = "open"
