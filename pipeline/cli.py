@@ -161,6 +161,11 @@ def build_parser() -> Parser:
     demo.add_argument("--run-dir", default=None)
     demo.add_argument("--plain", action="store_true")
 
+    report = sub.add_parser("report", help="Spark report of one run, or several runs side by side")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    report.add_argument("--master", default=None, help="Spark master URL (default local[*])")
+    report.add_argument("--out", default=None, help="where to write a comparison of several runs")
+
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
@@ -173,7 +178,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo}[args.command]
+        handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo,
+                   "report": cmd_report}[args.command]
         return handler(args)
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
@@ -224,6 +230,19 @@ def format_status(status: dict) -> str:
     alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
     return "\n".join(lines)
+
+
+def cmd_report(args) -> int:
+    for d in args.run_dirs:
+        if not os.path.exists(os.path.join(d, "summary.json")):
+            raise UsageError(f"creditflow report: {d} is not a run directory (no summary.json)")
+    try:
+        from pipeline.analytics.report import build_report
+    except ImportError:
+        print("creditflow report: the Spark report is not part of this build yet", file=sys.stderr)
+        return EXIT_USAGE
+    print(build_report(list(args.run_dirs), master=args.master, out_dir=args.out))
+    return EXIT_OK
 
 
 def cmd_demo(args) -> int:
