@@ -300,10 +300,9 @@ class Reader(Stage):
         slot.next_tag += 1
         if not flags & wire.DLV_NO_ACK:
             slot.unacked[tag] = (self.queue_links.get(link.link_id, b""), msg_id)
-        exchange, rk, props, body = wire.decode_content(record, off)
-        self.conn.send_raw(frames.encode_deliver(channel, ctag.decode(), tag,
-                                                 bool(flags & wire.DLV_REDELIVERED), exchange.decode(),
-                                                 rk.decode(), props, body, self.conn.frame_max))
+        exchange, rk, props, body = wire.content_views(record, off)
+        self.conn.send_raw(frames.encode_deliver(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
+                                                 exchange, rk, props, body, self.conn.frame_max))
         self.deliveries += 1
 
     def on_get_ok(self, link, record) -> None:

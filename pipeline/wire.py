@@ -107,6 +107,20 @@ def decode_content(rec, offset: int) -> tuple[bytes, bytes, bytes, bytes]:
     return exchange, routing_key, bytes(rec[o:o + plen]), bytes(rec[o + plen:])
 
 
+def content_views(rec, offset: int) -> tuple[bytes, bytes, memoryview, memoryview]:
+    """Like ``decode_content`` but props and body are views into ``rec`` (no copy)."""
+    mv = memoryview(rec)
+    exlen = rec[offset]
+    exchange = bytes(mv[offset + 1:offset + 1 + exlen])
+    o = offset + 1 + exlen
+    rklen = rec[o]
+    routing_key = bytes(mv[o + 1:o + 1 + rklen])
+    o += 1 + rklen
+    (plen,) = _U32.unpack_from(rec, o)
+    o += 4
+    return exchange, routing_key, mv[o:o + plen], mv[o + plen:]
+
+
 def content_route(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, bytes]:
     """(exchange, routing_key) of a record's content, without copying the body."""
     exlen = rec[offset]
