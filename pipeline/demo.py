@@ -18,11 +18,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
-from pipeline.ctlclient import CtlClient, wait_for_broker
-from pipeline.runner import (LogTail, SecondsLog, default_run_dir, start_broker, states_line, stop_broker,
-                             summarize)
+from pipeline.runner import default_run_dir, execute, states_line
 from pipeline.supervisor import BrokerConfig
 
 EXIT_PHASE_MISSED = 5
@@ -60,83 +57,66 @@ class Phases:
 
 def run_demo(args) -> int:
     from pipeline.loadgen.config import LoadConfig
-    from pipeline.loadgen.harness import run_load
     from pipeline.loadgen.report import format_line
     from pipeline.view import View
 
     run_dir = os.path.abspath(args.run_dir or default_run_dir() + "-demo")
-    os.makedirs(run_dir, exist_ok=True)
     cfg = BrokerConfig(data_dir=run_dir, port=0, watchdog={
         "memory_limit": "0.6", "disk_limit": "50MB", "strategy": args.memory_strategy, "memory_interval_ms": 100})
     print(f"creditflow demo: a publisher at {args.rate} msg/s of {args.size} B against a consumer that spends "
           f"{args.consumer_latency} µs per message; the watermark will be lowered to the broker's footprint "
           f"+ {args.headroom_mb} MiB")
-    pid = start_broker(cfg)
     phases = Phases()
-    state = {"baseline": None, "limit": None, "peak": 0, "prev_msgs": 0, "mem": [], "after_resume": 0}
-    try:
-        info = wait_for_broker(run_dir, pid=pid)
-        load = LoadConfig(producers=1, consumers=1, rate=args.rate, size=args.size, prefetch=args.prefetch,
-                          consumer_latency_us=args.consumer_latency, duration_s=args.max_seconds, queue="demo",
-                          port=info["port"])
-        tail = LogTail(os.path.join(run_dir, "broker.log"))
-        view = View(plain=args.plain)
-        seconds = SecondsLog(run_dir)
-        with CtlClient(run_dir) as ctl, view:
-            def on_second(rep) -> bool:
-                status = ctl.request("status")
-                seconds.write(rep, status)
-                for line in tail.new_lines():
-                    view.log(line)
-                wd = status["processes"].get("watchdog", {})
-                used, limit = wd.get("memory_used") or 0, wd.get("memory_limit") or 0
-                alarm = status["alarms"].get("memory", {}).get("state") == "set"
-                q = status["processes"].get("queue-demo", {})
-                msgs = (q.get("messages") or 0) + (q.get("unacked") or 0)
-                t = rep.time_s
-                state["mem"].append((t, used, limit, alarm, msgs))
-                if msgs > max(1000, state["prev_msgs"]) and not alarm:
-                    phases.see("backlog growing", t, f"{msgs} messages in the queue")
-                state["prev_msgs"] = msgs
-                state["peak"] = max(state["peak"], msgs)
-                if state["baseline"] is None and t >= 2 and used:
-                    state["baseline"] = used
-                    state["limit"] = used + args.headroom_mb * MIB
-                    reply = ctl.request("set_watermark", value=str(state["limit"]))
-                    if reply.get("ok"):
-                        phases.see("watermark lowered", t, f"{state['limit'] // MIB} MiB = footprint "
-                                   f"{used // MIB} MiB + {args.headroom_mb} MiB")
-                edge = status["alarms"].get("memory", {})
-                if alarm:
-                    phases.see("alarm set", t, f"{edge.get('used', 0) / MIB:.1f} MiB used > "
-                                               f"{edge.get('limit', 0) / MIB:.1f} MiB allowed")
-                if "alarm set" in phases.at and "alarm cleared" not in phases.at:
-                    if rep.sent_rate == 0 and rep.received_rate > 0:
-                        phases.see("publishing stopped", t, f"sent 0 msg/s, received {rep.received_rate:.0f} msg/s")
-                    if "publishing stopped" in phases.at and msgs * 2 < state["peak"]:
-                        phases.see("backlog drained", t, f"{msgs} messages left of a peak of {state['peak']}")
-                    if not alarm and "backlog drained" in phases.at:
-                        phases.see("alarm cleared", t, f"{edge.get('used', 0) / MIB:.1f} MiB used <= "
-                                                       f"{edge.get('limit', 0) / MIB:.1f} MiB allowed")
-                if "alarm cleared" in phases.at and rep.sent_rate > 0:
-                    phases.see("publishing resumed", t, f"sent {rep.sent_rate:.0f} msg/s")
-                    state["after_resume"] += 1
-                view.second(format_line(rep), states_line(status) + f"  | memory {used / MIB:.0f} MiB / "
-                            f"watermark {limit / MIB:.0f} MiB{' ALARM' if alarm else ''}, queue {msgs}", status)
-                return phases.all_seen() and state["after_resume"] >= 2
+    state = {"baseline": None, "peak": 0, "prev_msgs": 0, "mem": [], "after_resume": 0}
+    view = View(plain=args.plain)
 
-            started = time.monotonic()
-            result = run_load(load, on_second=on_second)
-            final = ctl.request("status")
-        seconds.close()
-        for line in tail.new_lines():
-            view.log(line)
-    finally:
-        code = stop_broker(pid, run_dir)
-    summary = summarize(result, final, {"demo": vars(args)}, time.monotonic() - started)
+    def on_second(rep, status, ctl) -> bool:
+        wd = status["processes"].get("watchdog", {})
+        used, limit = wd.get("memory_used") or 0, wd.get("memory_limit") or 0
+        edge = status["alarms"].get("memory", {})
+        alarm = edge.get("state") == "set"
+        q = status["processes"].get("queue-demo", {})
+        msgs = (q.get("messages") or 0) + (q.get("unacked") or 0)
+        t = rep.time_s
+        state["mem"].append((t, used, limit, alarm, msgs))
+        if msgs > max(1000, state["prev_msgs"]) and not alarm:
+            phases.see("backlog growing", t, f"{msgs} messages in the queue")
+        state["prev_msgs"] = msgs
+        state["peak"] = max(state["peak"], msgs)
+        if state["baseline"] is None and t >= 2 and used:
+            state["baseline"] = used
+            target = used + args.headroom_mb * MIB
+            if ctl.request("set_watermark", value=str(target)).get("ok"):
+                phases.see("watermark lowered", t, f"{target // MIB} MiB = footprint {used // MIB} MiB + "
+                                                   f"{args.headroom_mb} MiB")
+        if alarm:
+            phases.see("alarm set", t, f"{edge.get('used', 0) / MIB:.1f} MiB used > "
+                                       f"{edge.get('limit', 0) / MIB:.1f} MiB allowed")
+        if "alarm set" in phases.at and "alarm cleared" not in phases.at:
+            if rep.sent_rate == 0 and rep.received_rate > 0:
+                phases.see("publishing stopped", t, f"sent 0 msg/s, received {rep.received_rate:.0f} msg/s")
+            if "publishing stopped" in phases.at and msgs * 2 < state["peak"]:
+                phases.see("backlog drained", t, f"{msgs} messages left of a peak of {state['peak']}")
+            if not alarm and "backlog drained" in phases.at:
+                phases.see("alarm cleared", t, f"{edge.get('used', 0) / MIB:.1f} MiB used <= "
+                                               f"{edge.get('limit', 0) / MIB:.1f} MiB allowed")
+        if "alarm cleared" in phases.at and rep.sent_rate > 0:
+            phases.see("publishing resumed", t, f"sent {rep.sent_rate:.0f} msg/s")
+            state["after_resume"] += 1
+        view.second(format_line(rep), states_line(status) + f"  | memory {used / MIB:.0f} MiB / watermark "
+                    f"{limit / MIB:.0f} MiB{' ALARM' if alarm else ''}, queue {msgs}", status)
+        return phases.all_seen() and state["after_resume"] >= 2
+
+    def make_load(port: int) -> "LoadConfig":
+        return LoadConfig(producers=1, consumers=1, rate=args.rate, size=args.size, prefetch=args.prefetch,
+                          consumer_latency_us=args.consumer_latency, duration_s=args.max_seconds, queue="demo",
+                          port=port)
+
+    with view:
+        summary, result = execute(cfg, make_load, on_second=on_second, on_log=view.log,
+                                  extra={"demo": vars(args)})
     summary["phases"] = phases.at
     summary["memory_timeline"] = state["mem"]
-    summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     print()

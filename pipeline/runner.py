@@ -152,48 +152,68 @@ def load_config(args, port: int):
                       queue=args.queue, host="127.0.0.1", port=port)
 
 
-def run_harness(args) -> int:
-    from pipeline.cli import broker_config
-    from pipeline.loadgen.harness import run_load
-    from pipeline.loadgen.report import format_line
-    from pipeline.view import View
+def execute(cfg: BrokerConfig, make_load, *, on_second=None, on_log=None, extra: dict | None = None):
+    """Start a broker on ``cfg.data_dir``, run load against it, stop it, and leave the run directory.
 
-    run_dir = os.path.abspath(args.run_dir or default_run_dir())
+    ``make_load(port)`` builds the LoadConfig once the broker listens.
+    ``on_second(rep, status, ctl)`` is called every second (return True to stop
+    early); ``on_log(line)`` gets the broker's warning and error lines as they
+    appear. Writes config.json, seconds.jsonl and summary.json; returns
+    ``(summary, result)``.
+    """
+    from pipeline.loadgen.harness import run_load
+
+    run_dir = cfg.data_dir
     os.makedirs(run_dir, exist_ok=True)
-    cfg = broker_config(args, run_dir, args.port)
     started = time.monotonic()
     pid = start_broker(cfg)
     try:
         info = wait_for_broker(run_dir, pid=pid)
-        load = load_config(args, info["port"])
-        config = {"broker": {k: (list(v.__dict__.values()) if hasattr(v, "__dict__") else v)
-                             for k, v in cfg.__dict__.items()},
-                  "load": {k: v for k, v in load.__dict__.items()} if hasattr(load, "__dict__") else str(load),
-                  "argv": sys.argv[1:]}
+        load = make_load(info["port"])
+        config = {"broker": {k: (str(v) if hasattr(v, "__dataclass_fields__") else v)
+                             for k, v in vars(cfg).items()},
+                  "load": dict(vars(load)), "argv": sys.argv[1:], **(extra or {})}
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         tail = LogTail(os.path.join(run_dir, "broker.log"))
-        view = View(plain=args.plain)
         seconds = SecondsLog(run_dir)
-        with CtlClient(run_dir) as ctl, view:
-            def on_second(rep) -> None:
+        with CtlClient(run_dir) as ctl:
+            def each_second(rep):
                 status = ctl.request("status")
                 seconds.write(rep, status)
                 for line in tail.new_lines():
-                    view.log(line)
-                view.second(format_line(rep), states_line(status), status)
+                    if on_log is not None:
+                        on_log(line)
+                return on_second(rep, status, ctl) if on_second is not None else None
 
-            result = run_load(load, on_second=on_second)
+            result = run_load(load, on_second=each_second)
             final = ctl.request("status")
         seconds.close()
         for line in tail.new_lines():
-            view.log(line)
+            if on_log is not None:
+                on_log(line)
     finally:
         code = stop_broker(pid, run_dir)
     summary = summarize(result, final, config, time.monotonic() - started)
     summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
+    return summary, result
+
+
+def run_harness(args) -> int:
+    from pipeline.cli import broker_config
+    from pipeline.loadgen.report import format_line
+    from pipeline.view import View
+
+    run_dir = os.path.abspath(args.run_dir or default_run_dir())
+    cfg = broker_config(args, run_dir, args.port)
+    view = View(plain=args.plain)
+    with view:
+        summary, _ = execute(cfg, lambda port: load_config(args, port),
+                             on_second=lambda rep, status, ctl: view.second(format_line(rep), states_line(status),
+                                                                            status),
+                             on_log=view.log)
     print(f"published {summary['published']}, delivered {summary['delivered']}, lost {summary['lost']}; "
           f"publish {summary['publish_rate']:.0f} msg/s, deliver {summary['deliver_rate']:.0f} msg/s")
     print(f"run directory: {run_dir}")
