@@ -166,6 +166,13 @@ def build_parser() -> Parser:
     report.add_argument("--master", default=None, help="Spark master URL (default local[*])")
     report.add_argument("--out", default=None, help="where to write a comparison of several runs")
 
+    bench = sub.add_parser("bench", help="scenarios (median of N runs), micro-benchmarks, alarm reaction")
+    bench.add_argument("--runs", type=pos_int, default=3)
+    bench.add_argument("--seconds", type=pos_int, default=10, help="seconds per scenario run (default 10)")
+    bench.add_argument("--tries", type=pos_int, default=20, help="alarm reaction tries (default 20)")
+    bench.add_argument("--only", default=None, help="run only scenarios whose name contains this")
+    bench.add_argument("--json", default=None, metavar="FILE")
+
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
@@ -179,7 +186,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo,
-                   "report": cmd_report}[args.command]
+                   "report": cmd_report, "bench": cmd_bench}[args.command]
         return handler(args)
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
@@ -230,6 +237,11 @@ def format_status(status: dict) -> str:
     alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
     return "\n".join(lines)
+
+
+def cmd_bench(args) -> int:
+    from pipeline.bench import run_bench
+    return run_bench(args)
 
 
 def cmd_report(args) -> int:
