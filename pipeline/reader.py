@@ -86,6 +86,8 @@ class Reader(Stage):
         self.publishes = 0
         self.deliveries = 0
         self.last_publish_ns = 0
+        self.first_publish_ns = 0
+        self.first_stop_ns = 0               # the first time it stopped reading
         self.stopped_reading_ns = 0          # when it last stopped reading (blocked by credit or an alarm)
         self.resumed_ns = 0                  # when it last started reading again
         self.first_publish_after_resume_ns = 0
@@ -196,6 +198,8 @@ class Reader(Stage):
         self.publishes += 1
         if self.last_publish_ns < self.resumed_ns:
             self.first_publish_after_resume_ns = now_ns
+        if not self.first_publish_ns:
+            self.first_publish_ns = now_ns
         self.last_publish_ns = now_ns
         self.credit.send(slot.out.link_id, now_ns)
         throttle = self.throttle
@@ -205,6 +209,7 @@ class Reader(Stage):
             self.notify(throttle.publish_received())
             if not throttle.reading:
                 self.stopped_reading_ns = now_ns
+                self.first_stop_ns = self.first_stop_ns or now_ns
                 self.conn.pause_heartbeat_monitor()
 
     def on_event(self, ev, now_ns: int) -> None:
@@ -418,6 +423,7 @@ class Reader(Stage):
     def extra_stats(self, now_ns: int) -> dict:
         return {"conn_state": self.throttle.reported_state(), "publishes": self.publishes,
                 "last_publish_ns": self.last_publish_ns, "stopped_reading_ns": self.stopped_reading_ns,
+                "first_publish_ns": self.first_publish_ns, "first_stop_ns": self.first_stop_ns,
                 "resumed_ns": self.resumed_ns, "first_publish_after_resume_ns": self.first_publish_after_resume_ns,
                 "deliveries": self.deliveries, "channels": len(self.channels),
                 "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),

@@ -131,6 +131,9 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
             "block_count": p.get("block_count", 0),
             "final_state": p.get("state"),
         }
+        if p.get("kind") == "reader" and p.get("publishes"):
+            first, stop = p.get("first_publish_ns") or 0, p.get("first_stop_ns") or 0
+            processes[name]["first_stop_after_first_publish_s"] = round((stop - first) / 1e9, 4) if stop else None
     links = {name: {"max_in_flight": v.get("max_in_flight", 0), "sent": v.get("sent", 0)}
              for name, v in status.get("links", {}).items()}
     alarms = [{"source": src, **{k: v for k, v in a.items() if k not in ("type",)}}

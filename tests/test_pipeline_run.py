@@ -51,6 +51,7 @@ def test_slow_store_blocks_the_reader_and_in_flight_stays_within_credit(tmp_path
     procs = s["processes"]
     reader = [p for n, p in procs.items() if n.startswith("reader") and p["block_count"] > 0]
     assert reader, f"no reader was ever blocked: {procs}"
+    assert 0 <= reader[0]["first_stop_after_first_publish_s"] < 1.0, "the reader stops reading within a second"
     assert any(p["kind"] == "queue" and p["block_count"] > 0 for p in procs.values())
     links = s["links"]
     rc = [v["max_in_flight"] for k, v in links.items() if k.startswith("reader") and "channel" in k]
