@@ -1,20 +1,50 @@
 """AMQP 0-9-1 frames: pamqp for everything, hand-written fast paths per message.
 
-A frame (big-endian)::
+Every frame is big-endian::
 
-    u8 type | u16 channel | u32 size | payload[size] | u8 0xCE
+    offset 0  u8   type         1 method, 2 content header, 3 content body, 8 heartbeat
+    offset 1  u16  channel      0 for the connection itself
+    offset 3  u32  size         payload bytes; at most frame_max - 8
+    offset 7  payload[size]
+    offset 7+size  u8  0xCE     frame end
 
-    type 1 method:    u16 class id | u16 method id | arguments
-    type 2 header:    u16 class id | u16 weight (0) | u64 body size | u16 property flags | properties
-    type 3 body:      body bytes (a message's body is split over frames of at most frame_max)
-    type 8 heartbeat: empty payload, channel 0
+Payloads::
 
-``props_raw`` everywhere means the header payload after the body size
-(property flags and list) exactly as sent, so it can be forwarded untouched.
-The fast paths (basic.publish in, basic.deliver and basic.ack out, content
-header and body) are byte-identical to pamqp's encoding; the tests hold them
-to it. ``next_frame`` never consumes a partial frame: incomplete input is
-``None``, not an error.
+    method     u16 class id | u16 method id | arguments
+    header     u16 class id (60) | u16 weight (0) | u64 body size | props_raw
+    body       body bytes; a message's body is split over as many body frames
+               as frame_max needs, each payload at most frame_max - 8 bytes
+    heartbeat  (empty), channel 0
+
+    props_raw  u16 property flags | the present properties in flag order:
+               bit 15 content-type shortstr   bit 14 content-encoding shortstr
+               bit 13 headers table           bit 12 delivery-mode octet
+               bit 11 priority octet          bit 10 correlation-id shortstr
+               bit  9 reply-to shortstr       bit  8 expiration shortstr
+               bit  7 message-id shortstr     bit  6 timestamp u64
+               bit  5 type shortstr           bit  4 user-id shortstr
+               bit  3 app-id shortstr         bit  2 cluster-id shortstr
+
+The per-message methods (field types as in the specification)::
+
+    basic.publish  60/40  u16 reserved | shortstr exchange | shortstr routing key
+                          | octet bits (1 mandatory, 2 immediate)
+    basic.deliver  60/60  shortstr consumer tag | u64 delivery tag | octet bits
+                          (1 redelivered) | shortstr exchange | shortstr routing key
+    basic.ack      60/80  u64 delivery tag | octet bits (1 multiple)
+
+    shortstr = u8 length | UTF-8 bytes; table and longstr = u32 length | bytes
+
+A message travels as method frame, header frame, then body frames (none for
+an empty body), all on the same channel. ``props_raw`` is forwarded untouched
+from publisher to consumer. The fast paths here are byte-identical to pamqp's
+encoding (the tests hold them to it); anything else goes through pamqp.
+
+Decoders are pure functions over ``(buf, payload_start, payload_end)``, so
+they read frames in place in a receive buffer. ``next_frame`` never consumes
+a partial frame: incomplete input is ``None``, never an error. Malformed
+input raises ``FrameError`` (or another ``AmqpError``) with the reply code a
+RabbitMQ broker would close the connection with.
 """
 
 from __future__ import annotations
@@ -22,15 +52,27 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 
-from pamqp import commands, exceptions as pamqp_exceptions, frame as pamqp_frame
+from pamqp import commands
+from pamqp import exceptions as pamqp_exceptions
+from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 
-from pipeline.amqp.errors import FRAME_ERROR, SYNTAX_ERROR, NOT_IMPLEMENTED, ConnectionLevelError, FrameError
+from pipeline.amqp.errors import (FRAME_ERROR, NOT_IMPLEMENTED, AmqpError, ConnectionLevelError,
+                                  FrameError)
+
+__all__ = [
+    "PROTOCOL_HEADER", "FRAME_END", "FRAME_OVERHEAD_BYTES", "FRAME_MIN_SIZE", "FRAME_HEADER_BYTES",
+    "FrameType", "FrameError", "AmqpError", "next_frame", "method_id", "count_frames", "properties_raw",
+    "delivery_mode_of", "check_properties", "encode_content", "encode_publish", "decode_publish",
+    "decode_publish_raw", "encode_deliver", "decode_deliver", "decode_content_header", "encode_basic_ack",
+    "decode_basic_ack", "encode_method", "decode_method", "method_name", "encode_heartbeat", "octets",
+]
 
 PROTOCOL_HEADER = b"AMQP\x00\x00\x09\x01"
 FRAME_END = 0xCE
-FRAME_OVERHEAD_BYTES = 8
-FRAME_MIN_SIZE = 4096
+FRAME_HEADER_BYTES = 7
+FRAME_OVERHEAD_BYTES = 8          # header + frame-end octet
+FRAME_MIN_SIZE = 4096             # the smallest frame_max a peer may ask for
 
 
 class FrameType(IntEnum):
@@ -40,62 +82,152 @@ class FrameType(IntEnum):
     HEARTBEAT = 8
 
 
+CLASS_CONNECTION = 10
+CLASS_CHANNEL = 20
+CLASS_EXCHANGE = 40
+CLASS_QUEUE = 50
+CLASS_BASIC = 60
+CLASS_CONFIRM = 85
+CLASS_TX = 90
+
+CONNECTION_START = (10, 10)
+CONNECTION_START_OK = (10, 11)
+CONNECTION_SECURE = (10, 20)
+CONNECTION_SECURE_OK = (10, 21)
+CONNECTION_TUNE = (10, 30)
+CONNECTION_TUNE_OK = (10, 31)
+CONNECTION_OPEN = (10, 40)
+CONNECTION_OPEN_OK = (10, 41)
+CONNECTION_CLOSE = (10, 50)
+CONNECTION_CLOSE_OK = (10, 51)
+CONNECTION_BLOCKED = (10, 60)
+CONNECTION_UNBLOCKED = (10, 61)
+CONNECTION_UPDATE_SECRET = (10, 70)
+CHANNEL_OPEN = (20, 10)
+CHANNEL_OPEN_OK = (20, 11)
+CHANNEL_FLOW = (20, 20)
+CHANNEL_FLOW_OK = (20, 21)
+CHANNEL_CLOSE = (20, 40)
+CHANNEL_CLOSE_OK = (20, 41)
+EXCHANGE_DECLARE = (40, 10)
+EXCHANGE_DELETE = (40, 20)
+EXCHANGE_BIND = (40, 30)
+EXCHANGE_UNBIND = (40, 40)
+QUEUE_DECLARE = (50, 10)
+QUEUE_BIND = (50, 20)
+QUEUE_PURGE = (50, 30)
+QUEUE_DELETE = (50, 40)
+QUEUE_UNBIND = (50, 50)
+BASIC_QOS = (60, 10)
+BASIC_CONSUME = (60, 20)
+BASIC_CANCEL = (60, 30)
+BASIC_CANCEL_OK = (60, 31)
 BASIC_PUBLISH = (60, 40)
+BASIC_RETURN = (60, 50)
 BASIC_DELIVER = (60, 60)
+BASIC_GET = (60, 70)
+BASIC_GET_OK = (60, 71)
+BASIC_GET_EMPTY = (60, 72)
 BASIC_ACK = (60, 80)
+BASIC_REJECT = (60, 90)
+BASIC_RECOVER_ASYNC = (60, 100)
+BASIC_RECOVER = (60, 110)
+BASIC_NACK = (60, 120)
+CONFIRM_SELECT = (85, 10)
+TX_SELECT = (90, 10)
+TX_COMMIT = (90, 20)
+TX_ROLLBACK = (90, 30)
+
+MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024   # RabbitMQ's hard cap on a declared body size
 
 _FRAME_HEAD = struct.Struct(">BHI")
 _METHOD_ID = struct.Struct(">HH")
 _PUBLISH_HEAD = struct.Struct(">BHIHHH")       # frame head + class, method, reserved
 _DELIVER_HEAD = struct.Struct(">BHIHH")        # frame head + class, method
 _HEADER_HEAD = struct.Struct(">BHIHHQ")        # frame head + class, weight, body size
-_ACK = struct.Struct(">BHIHHQBB")              # whole basic.ack frame
+_HEADER_PAYLOAD = struct.Struct(">HHQ")        # class, weight, body size
+_ACK = struct.Struct(">BHIHHQBB")              # a whole basic.ack frame
+_TAG_BITS = struct.Struct(">QB")
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 _END = b"\xce"
 _HEARTBEAT = bytes((8, 0, 0, 0, 0, 0, 0, FRAME_END))
+_HEADER_MIN_BYTES = 14                         # class, weight, body size, property flags
+
+# property flag bit -> how its value is laid out (in flag order)
+_SHORTSTR, _TABLE, _DELIVERY_MODE = -1, -2, -3      # anything >= 0 is a fixed size in bytes
+_PROPERTY_KINDS = ((0x8000, _SHORTSTR), (0x4000, _SHORTSTR), (0x2000, _TABLE), (0x1000, _DELIVERY_MODE),
+                   (0x0800, 1), (0x0400, _SHORTSTR), (0x0200, _SHORTSTR), (0x0100, _SHORTSTR),
+                   (0x0080, _SHORTSTR), (0x0040, 8), (0x0020, _SHORTSTR), (0x0010, _SHORTSTR),
+                   (0x0008, _SHORTSTR), (0x0004, _SHORTSTR))
+_PROPERTY_LAYOUTS: dict[int, tuple[int, ...]] = {}
 
 
-def next_frame(buf, offset: int = 0, frame_max: int | None = None):
-    """``(frame_type, channel, payload_start, payload_end)`` of the frame at ``offset``, or None if incomplete."""
-    if len(buf) - offset < 7:
+# -- frames ---------------------------------------------------------------------------------
+
+def next_frame(buf, offset: int = 0, frame_max: int | None = None, *,
+               slack_bytes: int = 0) -> tuple[int, int, int, int] | None:
+    """``(frame_type, channel, payload_start, payload_end)`` of the frame at ``offset``, or None if incomplete.
+
+    The frame-end octet is at ``payload_end``; the next frame starts at
+    ``payload_end + 1``. Raises ``FrameError`` (501) for a payload over
+    ``frame_max - 8`` (+ ``slack_bytes``, RabbitMQ tolerates 8 more) as soon
+    as the 7-byte frame header is in, and for a wrong frame-end octet.
+    """
+    if len(buf) - offset < FRAME_HEADER_BYTES:
         return None
     ftype, channel, size = _FRAME_HEAD.unpack_from(buf, offset)
-    if frame_max and size > frame_max - FRAME_OVERHEAD_BYTES:
+    if frame_max and size > frame_max - FRAME_OVERHEAD_BYTES + slack_bytes:
         raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type {ftype}, all octets = <<>>: "
-                                      f"frame_too_large, {size} > {frame_max - FRAME_OVERHEAD_BYTES}")
-    end = offset + 7 + size
+                                      f"{{frame_too_large,{size},{frame_max - FRAME_OVERHEAD_BYTES}}}")
+    end = offset + FRAME_HEADER_BYTES + size
     if len(buf) <= end:
         return None
     if buf[end] != FRAME_END:
-        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type {ftype}, invalid frame end byte {buf[end]:#x}")
-    return ftype, channel, offset + 7, end
+        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type {ftype}, {octets(buf, offset + 7, end)}: "
+                                      f"{{invalid_frame_end_marker,{buf[end]}}}")
+    return ftype, channel, offset + FRAME_HEADER_BYTES, end
 
 
 def method_id(buf, payload_start: int) -> tuple[int, int]:
+    """``(class_id, method_id)`` of the method frame whose payload starts at ``payload_start``."""
     return _METHOD_ID.unpack_from(buf, payload_start)
 
 
-def _shortstr(buf, o: int) -> tuple[str, int]:
-    n = buf[o]
-    return bytes(buf[o + 1:o + 1 + n]).decode("utf-8"), o + 1 + n
+def count_frames(data) -> int:
+    """How many whole frames ``data`` holds (walking frame headers only)."""
+    n, pos, size = 0, 0, len(data)
+    while size - pos >= FRAME_OVERHEAD_BYTES:
+        pos += FRAME_OVERHEAD_BYTES + _U32.unpack_from(data, pos + 3)[0]
+        if pos > size:
+            break
+        n += 1
+    return n
 
 
-def _sstr(s) -> bytes:
-    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
-    if len(b) > 255:
-        raise ValueError(f"short string of {len(b)} bytes is over 255")
-    return bytes((len(b),)) + b
+def octets(buf, start: int, end: int) -> str:
+    """The first 16 payload octets written the way RabbitMQ logs them (``all octets = <<1,2>>``)."""
+    shown = bytes(buf[start:min(end, start + 16)])
+    which = "all" if end - start <= 16 else "first 16"
+    return f"{which} octets = <<{','.join(map(str, shown))}>>"
 
+
+def encode_heartbeat() -> bytes:
+    return _HEARTBEAT
+
+
+# -- properties and content -------------------------------------------------------------------
 
 def properties_raw(properties: commands.Basic.Properties | None = None, **kwargs) -> bytes:
+    """Property flags and list, as they follow the body size in a content header (via pamqp)."""
     props = properties if properties is not None else commands.Basic.Properties(**kwargs)
     encoded = pamqp_frame.marshal(pamqp_header.ContentHeader(0, 0, props), 0)
-    return encoded[7 + 12:-1]
+    return encoded[FRAME_HEADER_BYTES + 12:-1]
 
 
 def delivery_mode_of(props_raw) -> int | None:
+    """The delivery mode in ``props_raw``, or None when absent; skips only what precedes it."""
     if len(props_raw) < 2:
         return None
     flags = _U16.unpack_from(props_raw, 0)[0]
@@ -111,40 +243,123 @@ def delivery_mode_of(props_raw) -> int | None:
     return props_raw[o]
 
 
+def _layout(flags: int) -> tuple[int, ...]:
+    layout = _PROPERTY_LAYOUTS.get(flags)
+    if layout is None:
+        layout = tuple(kind for bit, kind in _PROPERTY_KINDS if flags & bit)
+        _PROPERTY_LAYOUTS[flags] = layout
+    return layout
+
+
+def check_properties(props_raw) -> int | None:
+    """Check that the present properties fill ``props_raw`` exactly; return the delivery mode (or None).
+
+    Table contents are not parsed, only their lengths. Raises ``FrameError``
+    (501) for a property list that is truncated or has bytes left over.
+    """
+    size = len(props_raw)
+    if size == 2:
+        return None
+    if size == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
+        return props_raw[2]                      # delivery mode only: the common case
+    try:
+        flags = _U16.unpack_from(props_raw, 0)[0]
+        o = 2
+        mode = None
+        for kind in _layout(flags):
+            if kind == _SHORTSTR:
+                o += 1 + props_raw[o]
+            elif kind == _TABLE:
+                o += 4 + _U32.unpack_from(props_raw, o)[0]
+            elif kind == _DELIVERY_MODE:
+                mode = props_raw[o]
+                o += 1
+            else:
+                o += kind
+    except (IndexError, struct.error):
+        o = size + 1
+    if o != size:
+        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - cannot decode content properties: "
+                                      f"{octets(props_raw, 0, size)}", *BASIC_PUBLISH)
+    return mode
+
+
 def encode_content(channel: int, props_raw, body, frame_max: int) -> bytes:
+    """Header frame (class 60, weight 0, body size) and body frames of at most ``frame_max`` bytes each."""
     parts = [_HEADER_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, len(body)), props_raw, _END]
-    chunk = frame_max - FRAME_OVERHEAD_BYTES
-    for start in range(0, len(body), chunk):
-        piece = body[start:start + chunk]
-        parts += (_FRAME_HEAD.pack(3, channel, len(piece)), piece, _END)
+    size = len(body)
+    chunk = frame_max - FRAME_OVERHEAD_BYTES if frame_max else size
+    if chunk >= size:
+        if size:
+            parts += (_FRAME_HEAD.pack(3, channel, size), body, _END)
+    else:
+        for start in range(0, size, chunk):
+            piece = body[start:start + chunk]
+            parts += (_FRAME_HEAD.pack(3, channel, len(piece)), piece, _END)
     return b"".join(parts)
+
+
+def decode_content_header(buf, payload_start: int, payload_end: int) -> tuple[int, bytes]:
+    """``(body_size, props_raw)`` of a content header payload."""
+    if payload_end - payload_start < _HEADER_MIN_BYTES:
+        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type 2, {octets(buf, payload_start, payload_end)}: "
+                                      "unknown_frame")
+    (size,) = _U64.unpack_from(buf, payload_start + 4)
+    return size, bytes(buf[payload_start + 12:payload_end])
+
+
+# -- the per-message methods -------------------------------------------------------------------
+
+def _sstr(s) -> bytes:
+    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+    if len(b) > 255:
+        raise ValueError(f"short string of {len(b)} bytes is over 255")
+    return bytes((len(b),)) + b
+
+
+def _cannot_decode(name: str, key: tuple[int, int], buf, start: int, end: int) -> FrameError:
+    return FrameError(FRAME_ERROR, f"FRAME_ERROR - cannot decode {name}: {octets(buf, start, end)}", *key)
 
 
 def encode_publish(channel: int, exchange, routing_key, props_raw, body, frame_max: int,
                    mandatory: bool = False) -> bytes:
+    """basic.publish method, header and body frames: one whole message as a client sends it."""
     args = _sstr(exchange) + _sstr(routing_key) + (b"\x01" if mandatory else b"\x00")
     method = _PUBLISH_HEAD.pack(1, channel, 6 + len(args), 60, 40, 0) + args + _END
     return method + encode_content(channel, props_raw, body, frame_max)
 
 
-def decode_publish(buf, payload_start: int, payload_end: int) -> tuple[str, str, bool]:
-    exchange, o = _shortstr(buf, payload_start + 6)
-    routing_key, o = _shortstr(buf, o)
-    return exchange, routing_key, bool(buf[o] & 1)
-
-
-def decode_publish_raw(buf, payload_start: int) -> tuple[bytes, bytes, int]:
-    """(exchange bytes, routing key bytes, bits) of a basic.publish, without decoding UTF-8."""
+def decode_publish_raw(buf, payload_start: int, payload_end: int | None = None) -> tuple[bytes, bytes, int]:
+    """``(exchange, routing_key, bits)`` of a basic.publish payload, names left as UTF-8 bytes."""
     o = payload_start + 6
-    n = buf[o]
-    exchange = bytes(buf[o + 1:o + 1 + n])
-    o += 1 + n
-    n = buf[o]
-    return exchange, bytes(buf[o + 1:o + 1 + n]), buf[o + 1 + n]
+    try:
+        n = buf[o]
+        e = o + 1 + n
+        exchange = bytes(buf[o + 1:e])
+        n = buf[e]
+        r = e + 1 + n
+        routing_key = bytes(buf[e + 1:r])
+        bits = buf[r]
+    except IndexError:
+        r = -2
+    if payload_end is not None and r + 1 != payload_end or r < 0:
+        end = len(buf) if payload_end is None else payload_end
+        raise _cannot_decode("basic.publish", BASIC_PUBLISH, buf, payload_start + 4, end)
+    return exchange, routing_key, bits
+
+
+def decode_publish(buf, payload_start: int, payload_end: int) -> tuple[str, str, bool]:
+    """``(exchange, routing_key, mandatory)`` of a basic.publish payload."""
+    exchange, routing_key, bits = decode_publish_raw(buf, payload_start, payload_end)
+    try:
+        return exchange.decode("utf-8"), routing_key.decode("utf-8"), bool(bits & 1)
+    except UnicodeDecodeError:
+        raise _cannot_decode("basic.publish", BASIC_PUBLISH, buf, payload_start + 4, payload_end) from None
 
 
 def encode_deliver(channel: int, consumer_tag, delivery_tag: int, redelivered: bool, exchange, routing_key,
                    props_raw, body, frame_max: int) -> bytes:
+    """basic.deliver method, header and body frames: one whole message as a consumer receives it."""
     args = b"".join((_sstr(consumer_tag), _U64.pack(delivery_tag), b"\x01" if redelivered else b"\x00",
                      _sstr(exchange), _sstr(routing_key)))
     method = _DELIVER_HEAD.pack(1, channel, 4 + len(args), 60, 60) + args + _END
@@ -152,17 +367,22 @@ def encode_deliver(channel: int, consumer_tag, delivery_tag: int, redelivered: b
 
 
 def decode_deliver(buf, payload_start: int, payload_end: int) -> tuple[str, int, bool, str, str]:
-    consumer_tag, o = _shortstr(buf, payload_start + 4)
-    (tag,) = _U64.unpack_from(buf, o)
-    redelivered = bool(buf[o + 8] & 1)
-    exchange, o = _shortstr(buf, o + 9)
-    routing_key, _ = _shortstr(buf, o)
-    return consumer_tag, tag, redelivered, exchange, routing_key
-
-
-def decode_content_header(buf, payload_start: int, payload_end: int) -> tuple[int, bytes]:
-    (size,) = _U64.unpack_from(buf, payload_start + 4)
-    return size, bytes(buf[payload_start + 12:payload_end])
+    """``(consumer_tag, delivery_tag, redelivered, exchange, routing_key)`` of a basic.deliver payload."""
+    try:
+        o = payload_start + 4
+        e = o + 1 + buf[o]
+        consumer_tag = bytes(buf[o + 1:e]).decode("utf-8")
+        tag, bits = _TAG_BITS.unpack_from(buf, e)
+        o = e + 9
+        e = o + 1 + buf[o]
+        exchange = bytes(buf[o + 1:e]).decode("utf-8")
+        r = e + 1 + buf[e]
+        routing_key = bytes(buf[e + 1:r]).decode("utf-8")
+    except (IndexError, struct.error, UnicodeDecodeError):
+        r = -1
+    if r != payload_end:
+        raise _cannot_decode("basic.deliver", BASIC_DELIVER, buf, payload_start + 4, payload_end)
+    return consumer_tag, tag, bool(bits & 1), exchange, routing_key
 
 
 def encode_basic_ack(channel: int, delivery_tag: int, multiple: bool = False) -> bytes:
@@ -170,29 +390,108 @@ def encode_basic_ack(channel: int, delivery_tag: int, multiple: bool = False) ->
 
 
 def decode_basic_ack(buf, payload_start: int, payload_end: int) -> tuple[int, bool]:
-    (tag,) = _U64.unpack_from(buf, payload_start + 4)
-    return tag, bool(buf[payload_start + 12] & 1)
+    """``(delivery_tag, multiple)`` of a basic.ack payload."""
+    if payload_end - payload_start != 13:
+        raise _cannot_decode("basic.ack", BASIC_ACK, buf, payload_start + 4, payload_end)
+    tag, bits = _TAG_BITS.unpack_from(buf, payload_start + 4)
+    return tag, bool(bits & 1)
+
+
+# -- every other method, through pamqp -----------------------------------------------------------
+
+_FIXED_BYTES = {"octet": 1, "short": 2, "long": 4, "longlong": 8, "timestamp": 8}
+_ARGUMENT_KINDS: dict[int, tuple[str, ...]] = {}
+
+
+def _arguments_end(cls, index: int, data, o: int) -> int:
+    """Where the arguments of method ``cls`` starting at ``o`` end (bits packed 8 to an octet)."""
+    kinds = _ARGUMENT_KINDS.get(index)
+    if kinds is None:
+        kinds = _ARGUMENT_KINDS[index] = tuple(cls.amqp_type(name) for name in cls.__slots__)
+    bits = 0
+    for kind in kinds:
+        if kind == "bit":
+            if bits in (0, 8):
+                o += 1
+                bits = 0
+            bits += 1
+            continue
+        bits = 0
+        if kind == "shortstr":
+            o += 1 + data[o]
+        elif kind in ("longstr", "table"):
+            o += 4 + _U32.unpack_from(data, o)[0]
+        else:
+            o += _FIXED_BYTES[kind]
+    return o
+
+
+def method_name(key: tuple[int, int]) -> str:
+    """``'basic.publish'`` style name of a (class_id, method_id), or ``'unknown 60/99'``."""
+    cls = commands.INDEX_MAPPING.get(key[0] << 16 | key[1])
+    if cls is None:
+        return f"unknown {key[0]}/{key[1]}"
+    return _dotted(cls.name)
+
+
+def _dotted(pamqp_name: str) -> str:
+    klass, _, method = pamqp_name.partition(".")
+    words = "".join("-" + c.lower() if c.isupper() else c for c in method).lstrip("-")
+    return f"{klass.lower()}.{words}"
 
 
 def encode_method(channel: int, method) -> bytes:
+    """One method frame for any pamqp method object (via pamqp)."""
     return pamqp_frame.marshal(method, channel)
 
 
 def decode_method(buf, payload_start: int, payload_end: int):
-    """A pamqp method object; unknown ids raise NOT_IMPLEMENTED, bad arguments SYNTAX_ERROR."""
-    data = bytes(buf[payload_start:payload_end])
-    if len(data) < 4:
-        raise FrameError(FRAME_ERROR, "FRAME_ERROR - method frame shorter than its class and method ids")
-    class_id, mid = _METHOD_ID.unpack_from(data, 0)
-    if (class_id << 16 | mid) not in commands.INDEX_MAPPING:
+    """The pamqp method object of a method frame payload.
+
+    Unknown class/method ids raise ``ConnectionLevelError`` (540
+    NOT_IMPLEMENTED); arguments that are truncated, have bytes left over or do
+    not decode raise ``FrameError`` (501 "cannot decode"), as RabbitMQ does.
+    """
+    if payload_end - payload_start < 4:
+        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type 1, {octets(buf, payload_start, payload_end)}: "
+                                      "unknown_frame")
+    class_id, mid = _METHOD_ID.unpack_from(buf, payload_start)
+    index = class_id << 16 | mid
+    fast = _FAST_DECODERS.get(index)
+    if fast is not None:
+        return fast(buf, payload_start, payload_end)
+    cls = commands.INDEX_MAPPING.get(index)
+    if cls is None:
         raise ConnectionLevelError(NOT_IMPLEMENTED, f"NOT_IMPLEMENTED - unknown method {class_id}/{mid}",
                                    class_id, mid)
+    data = bytes(buf[payload_start + 4:payload_end])
     try:
-        return pamqp_frame._unmarshal_method_frame(data)
-    except (pamqp_exceptions.UnmarshalingException, ValueError, IndexError, struct.error) as exc:
-        raise ConnectionLevelError(SYNTAX_ERROR, f"SYNTAX_ERROR - cannot decode {class_id}/{mid}: {exc}",
-                                   class_id, mid) from None
+        if _arguments_end(cls, index, data, 0) != len(data):
+            raise ValueError("argument lengths do not add up to the payload")
+        method = cls()
+        method.unmarshal(data)
+    except (pamqp_exceptions.UnmarshalingException, ValueError, IndexError, TypeError, struct.error):
+        raise _cannot_decode(_dotted(cls.name), (class_id, mid), buf, payload_start + 4, payload_end) from None
+    return method
 
 
-def encode_heartbeat() -> bytes:
-    return _HEARTBEAT
+def _fast_ack(buf, ps, pe):
+    tag, multiple = decode_basic_ack(buf, ps, pe)
+    return commands.Basic.Ack(tag, multiple)
+
+
+def _fast_nack(buf, ps, pe):
+    if pe - ps != 13:
+        raise _cannot_decode("basic.nack", BASIC_NACK, buf, ps + 4, pe)
+    tag, bits = _TAG_BITS.unpack_from(buf, ps + 4)
+    return commands.Basic.Nack(tag, bool(bits & 1), bool(bits & 2))
+
+
+def _fast_reject(buf, ps, pe):
+    if pe - ps != 13:
+        raise _cannot_decode("basic.reject", BASIC_REJECT, buf, ps + 4, pe)
+    tag, bits = _TAG_BITS.unpack_from(buf, ps + 4)
+    return commands.Basic.Reject(tag, bool(bits & 1))
+
+
+_FAST_DECODERS = {60 << 16 | 80: _fast_ack, 60 << 16 | 120: _fast_nack, 60 << 16 | 90: _fast_reject}
