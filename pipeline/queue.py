@@ -17,7 +17,6 @@ disk for those it wrote.
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import struct
 import time
@@ -27,19 +26,11 @@ from pamqp import commands
 from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.channel import busy_wait_ns
-from pipeline.stage import Stage
+from pipeline.stage import TRIM_INTERVAL_NS, Stage
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000
-TRIM_INTERVAL_NS = 1_000_000_000
-
-
-def _malloc_trim():
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 class Consumer:
@@ -85,9 +76,6 @@ class Queue(Stage):
         self.confirms: dict[object, list[int]] = {}
         self.awaiting_disk: dict[bytes, tuple] = {}              # store id -> (out link, seq)
         self.peak_messages = 0
-        self.last_trim_ns = 0
-        self.trims = 0
-        self.malloc_trim = _malloc_trim()
         self.enqueued = 0
         self.delivered = 0
         self.acked = 0
@@ -198,10 +186,8 @@ class Queue(Stage):
             self.peak_messages = backlog
             return
         if (self.peak_messages >= TRIM_MIN_PEAK_MESSAGES and backlog * 4 < self.peak_messages
-                and now_ns - self.last_trim_ns >= TRIM_INTERVAL_NS and self.malloc_trim is not None):
-            self.malloc_trim(0)
-            self.trims += 1
-            self.last_trim_ns = now_ns
+                and now_ns - self.last_trim_ns >= TRIM_INTERVAL_NS):
+            self.trim(now_ns)
             self.peak_messages = backlog
 
     def deliver_ready(self) -> None:
@@ -336,4 +322,4 @@ class Queue(Stage):
         return {"queue": self.queue, "durable": self.durable, "messages": len(self.messages),
                 "unacked": len(self.unacked), "consumers": len(self.consumers), "enqueued": self.enqueued,
                 "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
-                "awaiting_disk": len(self.awaiting_disk), "trims": self.trims}
+                "awaiting_disk": len(self.awaiting_disk)}

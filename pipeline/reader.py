@@ -135,7 +135,10 @@ class Reader(Stage):
         if self.outbuf:
             try:
                 sent = self.sock.send(self.outbuf)
-                del self.outbuf[:sent]
+                if sent == len(self.outbuf):
+                    self.outbuf = bytearray()   # drop the grown buffer rather than keep its capacity
+                else:
+                    del self.outbuf[:sent]
                 self.conn.note_sent(time.monotonic_ns())
             except BlockingIOError:
                 pass
