@@ -75,6 +75,9 @@ class Channel(Stage):
         self.confirms_sent = 0
         self.out_frames: list[bytes] = []
         self.closing = False
+        self.exchanges: dict[bytes, tuple[str, list]] = {}   # name -> (type, [(queue, key)]), from the supervisor
+        self.routes: dict[tuple[bytes, bytes], list[bytes]] = {}
+        self.awaiting: collections.deque = collections.deque()   # replies owed to the client, in order
 
     # -- wiring ------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -100,6 +103,12 @@ class Channel(Stage):
                 self.replay(None, op)
         elif kind == "queue_created":
             self.missing.discard(name)
+        elif kind == "exchanges":
+            for ex, info in msg["table"].items():
+                self.exchanges[ex.encode()] = (info["type"], [(q.encode(), k.encode()) for q, k in info["bindings"]])
+            self.routes.clear()
+        elif kind == "reply":
+            self.on_reply(msg)
         elif kind == "queue_deleted":
             self.missing.add(name)
 
@@ -108,21 +117,19 @@ class Channel(Stage):
         q = self.queues.get(name)
         if q is not None:
             return q
-        if name in self.parked:
-            self.parked[name].append(op)
-            return None
-        if name in self.missing and op[0] == "publish":
-            self.replay(None, op)
-            return None
-        self.parked[name] = [op]
-        control.send_msg(self.ctl, {"type": "link_queue", "queue": name.decode()})
+        waiting = self.parked.get(name)
+        if waiting is None:
+            waiting = self.parked[name] = []
+            control.send_msg(self.ctl, {"type": "link_queue", "queue": name.decode()})
+        waiting.append(op)
         return None
 
     def replay(self, q: QueueLinks | None, op) -> None:
         kind = op[0]
         try:
             if kind == "publish":
-                self.deliver(q, op[1], time.monotonic_ns())
+                flags, seq = wire.publish_head(op[1])
+                self.route_publish(op[1], flags, seq, time.monotonic_ns())
             elif kind == "control":
                 if q is None:
                     raise ChannelError(404, f"NOT_FOUND - no queue '{op[2]}' in vhost '/'", *op[3])
@@ -155,7 +162,6 @@ class Channel(Stage):
             self.on_queue_reply(q, wire.decode_control(record))
 
     def on_publish(self, record) -> None:
-        now = time.monotonic_ns()
         self.send_grants(self.credit.ack(self.from_reader.link_id))
         if self.closing:
             return
@@ -164,35 +170,53 @@ class Channel(Stage):
         flags, seq = wire.publish_head(record)
         if flags & wire.PUB_CONFIRM:
             self.max_seq = seq
+            self.pending[seq] = 0          # holds its place in confirm order until routed
+        try:
+            self.route_publish(record, flags, seq, time.monotonic_ns())
+        except ChannelError as err:
+            self.pending.pop(seq, None)
+            self.channel_error(err)
+
+    def route(self, exchange: bytes, routing_key: bytes) -> list[bytes]:
+        """Target queues of a publish (RabbitMQ's default, direct, fanout and topic exchanges)."""
+        if not exchange:
+            return [routing_key]
+        key = (exchange, routing_key)
+        targets = self.routes.get(key)
+        if targets is None:
+            info = self.exchanges.get(exchange)
+            if info is None:
+                raise ChannelError(404, f"NOT_FOUND - no exchange '{exchange.decode()}' in vhost '/'", 60, 40)
+            kind, bindings = info
+            if kind == "fanout":
+                targets = list(dict.fromkeys(q for q, _ in bindings))
+            elif kind == "topic":
+                targets = list(dict.fromkeys(q for q, k in bindings if topic_matches(k, routing_key)))
+            else:
+                targets = list(dict.fromkeys(q for q, k in bindings if k == routing_key))
+            self.routes[key] = targets
+        return targets
+
+    def route_publish(self, record, flags: int, seq: int, now: int) -> None:
         exchange, routing_key = wire.content_route(record)
-        if exchange:
-            self.unroutable_publish(flags, seq, record, 404)
-            return
-        q = self.queues.get(routing_key)
-        if q is None:
-            if flags & wire.PUB_CONFIRM:
-                self.pending[seq] = 1
-            self.need_queue(routing_key, ("publish", record))
+        targets = self.route(exchange, routing_key)
+        queues = self.queues
+        for name in targets:
+            if name not in queues and name not in self.missing:
+                self.need_queue(name, ("publish", record))      # comes back here once linked
+                return
+        linked = [queues[name] for name in targets if name in queues]
+        if not linked:
+            self.unroutable_publish(flags, seq, record)
             return
         if flags & wire.PUB_CONFIRM:
-            self.pending[seq] = 1
-        q.out.put_message(record)
-        self.credit.send(q.out.link_id, now)
+            self.pending[seq] = len(linked)
+        for q in linked:
+            q.out.put_message(record)
+            self.credit.send(q.out.link_id, now)
         self.routed += 1
 
-    def deliver(self, q: QueueLinks | None, record, now: int) -> None:
-        """A parked publish whose queue link is now known (or known missing)."""
-        flags, seq = wire.publish_head(record)
-        if q is None:
-            if flags & wire.PUB_CONFIRM:
-                self.pending.pop(seq, None)
-            self.unroutable_publish(flags, seq, record, None)
-            return
-        q.out.put_message(record)
-        self.credit.send(q.out.link_id, now)
-        self.routed += 1
-
-    def unroutable_publish(self, flags: int, seq: int, record, _code) -> None:
+    def unroutable_publish(self, flags: int, seq: int, record) -> None:
         self.unroutable += 1
         if flags & wire.PUB_MANDATORY:
             exchange, rk, props, body = wire.decode_content(record, wire.PUBLISH_CONTENT_OFFSET)
@@ -201,6 +225,7 @@ class Channel(Stage):
             self.out_frames.append(frames.encode_method(self.number, ret)
                                    + frames.encode_content(self.number, props, body, self.frame_max))
         if flags & wire.PUB_CONFIRM:
+            self.pending.pop(seq, None)
             self.confirm_done([seq])
 
     def on_confirms(self, seqs) -> None:
@@ -289,14 +314,29 @@ class Channel(Stage):
                 raise ChannelError(540, "NOT_IMPLEMENTED - active=false", *CHANNEL_FLOW)
             self.reply(commands.Channel.FlowOk(active=True))
         elif name == "Exchange.Declare":
-            if m.exchange in ("", "amq.default") or m.passive and m.exchange.startswith("amq."):
-                if not m.nowait:
-                    self.reply(commands.Exchange.DeclareOk())
-            else:
-                raise ChannelError(540, f"NOT_IMPLEMENTED - exchange '{m.exchange}': only the default "
-                                        "exchange is routed", 40, 10)
+            self.ask({"type": "declare_exchange", "exchange": m.exchange, "kind": m.exchange_type,
+                      "durable": m.durable, "passive": m.passive},
+                     None if m.nowait else commands.Exchange.DeclareOk(), (40, 10))
+        elif name == "Queue.Bind":
+            self.ask({"type": "bind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key},
+                     None if m.nowait else commands.Queue.BindOk(), (50, 20))
+        elif name == "Queue.Unbind":
+            self.ask({"type": "unbind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key},
+                     commands.Queue.UnbindOk(), (50, 50))
         else:
             raise ChannelError(540, f"NOT_IMPLEMENTED - {name}", *_ids(m))
+
+    def ask(self, request: dict, answer, ids) -> None:
+        """A request the supervisor decides (exchanges, bindings); the client's answer waits for it."""
+        self.awaiting.append((answer, ids))
+        control.send_msg(self.ctl, request)
+
+    def on_reply(self, msg: dict) -> None:
+        answer, ids = self.awaiting.popleft()
+        if not msg.get("ok"):
+            self.channel_error(ChannelError(msg["code"], msg["text"], *ids))
+        elif answer is not None:
+            self.reply(answer)
 
     def to_queue(self, queue: str, op: dict, ids) -> None:
         q = self.need_queue(queue.encode(), ("control", op, queue, ids))
@@ -350,6 +390,21 @@ class Channel(Stage):
     def extra_stats(self, now_ns: int) -> dict:
         return {"number": self.number, "routed": self.routed, "unroutable": self.unroutable,
                 "unconfirmed": len(self.pending), "confirms_sent": self.confirms_sent}
+
+
+def topic_matches(pattern: bytes, routing_key: bytes) -> bool:
+    """RabbitMQ topic matching: words split on '.', '*' is one word, '#' zero or more."""
+    return _topic(pattern.split(b"."), routing_key.split(b".") if routing_key else [])
+
+
+def _topic(p: list, k: list) -> bool:
+    if not p:
+        return not k
+    if p[0] == b"#":
+        return any(_topic(p[1:], k[i:]) for i in range(len(k) + 1))
+    if not k:
+        return False
+    return (p[0] == b"*" or p[0] == k[0]) and _topic(p[1:], k[1:])
 
 
 def _ids(method) -> tuple[int, int]:

@@ -46,6 +46,8 @@ EXIT_PORT_IN_USE = 4
 EXIT_STAGE_CRASHED = 70
 
 RING_BYTES = 4 * 1024 * 1024
+EXCHANGE_TYPES = ("direct", "fanout", "topic")
+PREDECLARED_EXCHANGES = {"amq.direct": "direct", "amq.fanout": "fanout", "amq.topic": "topic"}
 STOP_GRACE_S = 3.0
 SAMPLE_INTERVAL_MS = 100
 PR_SET_NAME = 15
@@ -132,6 +134,8 @@ class Supervisor:
         self.next_link = 1
         self.next_conn = 1
         self.queues: dict[str, dict] = {}
+        self.exchanges: dict[str, dict] = {name: {"type": kind, "durable": True, "bindings": []}
+                                           for name, kind in PREDECLARED_EXCHANGES.items()}
         self.stats: dict[str, dict] = {}
         self.samples: dict[str, dict] = {}
         self.selector = selectors.DefaultSelector()
@@ -296,7 +300,8 @@ class Supervisor:
             from pipeline.channel import Channel
             return Channel(name, ctl, inbox, bell, cfg.credit, number=number, reader=reader.name,
                            frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us)
-        self.spawn(name, "channel", factory, owner=reader.name)
+        chan = self.spawn(name, "channel", factory, owner=reader.name)
+        self.tell(chan, {"type": "exchanges", "table": self.exchanges})
         out = self.make_link(reader.name, name, flow=not cfg.credit.disabled)
         inp = self.make_link(name, reader.name, flow=False)
         control.send_msg(reader.ctl, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
@@ -386,10 +391,57 @@ class Supervisor:
                 self.ensure_queue(queue, bool(msg.get("durable")), bool(msg.get("exclusive")),
                                   bool(msg.get("auto_delete")))
             self.link_channel_queue(proc, queue)
+        elif kind in ("declare_exchange", "bind", "unbind"):
+            self.tell(proc, {"type": "reply", **self.exchange_op(kind, msg)})
         elif kind == "alarm":
             self.on_alarm(msg)
         elif kind == "reply":
             self.pending_reply(msg)
+
+    # -- exchanges and bindings (global, so kept here; every channel gets a copy) -----------------
+    def exchange_op(self, kind: str, msg: dict) -> dict:
+        name = msg["exchange"]
+        if kind == "declare_exchange":
+            if name == "" or name == "amq.default":
+                return {"ok": True}
+            ex = self.exchanges.get(name)
+            if ex is None:
+                if msg.get("passive"):
+                    return {"ok": False, "code": 404, "text": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
+                if msg["kind"] not in EXCHANGE_TYPES:
+                    return {"ok": False, "code": 503, "text": f"COMMAND_INVALID - unknown exchange type "
+                                                              f"'{msg['kind']}'"}
+                if name.startswith("amq."):
+                    return {"ok": False, "code": 403, "text": f"ACCESS_REFUSED - exchange name '{name}' contains "
+                                                              "reserved prefix 'amq.*'"}
+                self.exchanges[name] = {"type": msg["kind"], "durable": bool(msg.get("durable")), "bindings": []}
+                self.broadcast_exchange(name)
+            elif not msg.get("passive") and ex["type"] != msg["kind"]:
+                return {"ok": False, "code": 406, "text": f"PRECONDITION_FAILED - inequivalent arg 'type' for "
+                                                          f"exchange '{name}' in vhost '/': received "
+                                                          f"'{msg['kind']}' but current is '{ex['type']}'"}
+            return {"ok": True}
+        queue, key = msg["queue"], msg.get("routing_key", "")
+        if name == "":
+            return {"ok": False, "code": 403, "text": "ACCESS_REFUSED - operation not permitted on the default "
+                                                     "exchange"}
+        ex = self.exchanges.get(name)
+        if ex is None:
+            return {"ok": False, "code": 404, "text": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
+        if queue not in self.queues:
+            return {"ok": False, "code": 404, "text": f"NOT_FOUND - no queue '{queue}' in vhost '/'"}
+        binding = [queue, key]
+        if kind == "bind" and binding not in ex["bindings"]:
+            ex["bindings"].append(binding)
+        elif kind == "unbind" and binding in ex["bindings"]:
+            ex["bindings"].remove(binding)
+        self.broadcast_exchange(name)
+        return {"ok": True}
+
+    def broadcast_exchange(self, name: str) -> None:
+        for p in self.procs.values():
+            if p.kind == "channel":
+                self.tell(p, {"type": "exchanges", "table": {name: self.exchanges[name]}})
 
     # -- alarms -------------------------------------------------------------------------
     def on_alarm(self, msg: dict) -> None:
