@@ -1,68 +1,104 @@
 """The server side of one AMQP 0-9-1 connection, sans-IO (no socket, no clock).
 
-The reader feeds it bytes (``receive_data``) and asks for one event at a
-time (``next_event``); it never parses ahead, so a reader that is blocked
-simply stops asking and the rest stays unparsed. Replies it produces itself
-(handshake, heartbeats, close handshakes) and frames the reader asks it to
-send accumulate in ``data_to_send``.
+The reader feeds it the client's bytes (``receive_data``) and asks for one
+event at a time (``next_event``). It never parses ahead of the event it
+returns: a reader that is blocked by credit flow or an alarm simply stops
+asking, and everything after stays as unparsed bytes, which is how
+back-pressure reaches the client's socket. Replies it makes itself
+(handshake, heartbeats, close handshakes, errors) and the frames the reader
+asks it to send pile up until ``data_to_send`` takes them. Time is passed in
+(``now_ns``) and only matters for heartbeats.
 
-Connection states::
+Connection states (``_TRANSITIONS`` is the whole table)::
 
-    awaiting_header --header--> starting --start-ok--> tuning --tune-ok--> opening
-        --open--> open --close (either side)--> closing --close-ok--> closed
+    awaiting_header --protocol header--> starting --start-ok--> tuning --tune-ok--> opening
+        --open--> open
+    starting/tuning/opening/open --we send connection.close--> closing --close-ok--> closed
+    starting/tuning/opening/open --client's connection.close (close-ok queued)--> closed
+    any state --EOF, heartbeat timeout, bad header, refused login--> closed
 
-Channels: open, closing-by-server (we sent channel.close; everything but
-close/close-ok is dropped until the client's close-ok), closing-by-client
-(the reader answers with ``close_channel_ok`` once the channel's process
-has stopped). A content-bearing method (basic.publish) starts an assembly on
-its channel that its header and body frames complete; anything else on that
-channel in between is UNEXPECTED_FRAME.
+Channel states::
+
+    (none) --channel.open--> opening --open_channel_ok()--> open
+    opening/open --client's channel.close--> client_closing --close_channel_ok()--> (none)
+    opening/open --close_channel() or a channel error--> server_closing --client's close-ok--> (none)
+
+While a channel is closing, frames on it are dropped (the client's
+channel.close still gets its close-ok). While the connection is closing,
+everything but connection.close/close-ok is dropped.
+
+Content assembly: basic.publish starts an assembly on its channel that the
+content header and body frames complete; the ``Publish`` event comes when the
+whole body is in. Anything else on that channel in between is 505
+UNEXPECTED_FRAME; other channels may interleave. When the header and body
+frames are already buffered behind the method frame (the usual case), they
+are taken in one step without building the assembly.
+
+Errors: a connection error queues connection.close and returns
+``ProtocolError``; after a framing error (bad frame end, oversized frame) the
+stream is out of sync and nothing more is parsed. A channel error (message
+over ``max_message_bytes``) queues channel.close, returns ``ChannelError``,
+and the connection carries on. ``pipeline.amqp.errors`` lists which reply code
+RabbitMQ uses for which input.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import NamedTuple, Union
 
-from pamqp import commands
+from pamqp import commands, decode as pamqp_decode
 
 from pipeline.amqp import errors as E
 from pipeline.amqp import frames
-from pipeline.amqp.errors import AmqpError, ChannelLevelError, ConnectionLevelError, FrameError
+from pipeline.amqp.errors import (AmqpError, ChannelLevelError, ConnectionLevelError, FrameError, UsageError,
+                                  reply_text)
 
 PRODUCT = "creditflow"
 VERSION = "0.1.0"
-_COMPACT_BYTES = 1 << 16
+AUTH_MECHANISMS = "PLAIN AMQPLAIN"
+SERVER_CAPABILITIES = ("publisher_confirms", "exchange_exchange_bindings", "basic.nack", "consumer_cancel_notify",
+                       "connection.blocked", "authentication_failure_close", "per_consumer_qos")
+CHANNEL_MAX_NO_LIMIT = 65535
+FRAME_SIZE_SLACK_BYTES = 8          # RabbitMQ accepts frames up to 8 bytes over frame_max - 8
+HEARTBEAT_MISSES_ALLOWED = 2        # a client silent for more than 2 intervals has timed out
+NS_PER_S = 1_000_000_000
 
-CHANNEL_OPEN = (20, 10)
-CHANNEL_CLOSE = (20, 40)
-CHANNEL_CLOSE_OK = (20, 41)
+# -- events ------------------------------------------------------------------------------------
 
 
-class Publish:
-    """A whole message published on ``channel`` (created per message; keep it cheap)."""
+class Publish(NamedTuple):
+    """A whole message published on ``channel``: method, header and body frames, body frames joined.
 
-    __slots__ = ("channel", "exchange_b", "routing_key_b", "mandatory", "props_raw", "body", "delivery_mode")
+    Built once per message, so it is a tuple (a tenth of the cost of a frozen
+    dataclass) and keeps the exchange and routing key as the UTF-8 bytes they
+    arrived as, which is what the reader forwards; ``exchange`` and
+    ``routing_key`` decode them on demand.
+    """
 
-    def __init__(self, channel, exchange_b, routing_key_b, mandatory, props_raw, body, delivery_mode):
-        self.channel = channel
-        self.exchange_b = exchange_b
-        self.routing_key_b = routing_key_b
-        self.mandatory = mandatory
-        self.props_raw = props_raw
-        self.body = body
-        self.delivery_mode = delivery_mode
+    channel: int
+    exchange_b: bytes
+    routing_key_b: bytes
+    mandatory: bool
+    props_raw: bytes
+    body: bytes
+    delivery_mode: int | None
 
     @property
     def exchange(self) -> str:
-        return self.exchange_b.decode("utf-8")
+        return self.exchange_b.decode("utf-8", "surrogateescape")
 
     @property
     def routing_key(self) -> str:
-        return self.routing_key_b.decode("utf-8")
+        return self.routing_key_b.decode("utf-8", "surrogateescape")
 
 
 @dataclass(frozen=True, slots=True)
 class Opened:
+    """connection.open succeeded (open-ok is queued)."""
     vhost: str
     user: str
     client_properties: dict
@@ -70,11 +106,13 @@ class Opened:
 
 @dataclass(frozen=True, slots=True)
 class ChannelOpen:
+    """The client opened ``channel``; answer with ``open_channel_ok`` once its process exists."""
     channel: int
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelClose:
+    """The client closed ``channel``; answer with ``close_channel_ok`` once its process has stopped."""
     channel: int
     reply_code: int
     reply_text: str
@@ -82,11 +120,21 @@ class ChannelClose:
 
 @dataclass(frozen=True, slots=True)
 class ChannelCloseOk:
+    """The client answered our channel.close; the channel number is free again."""
     channel: int
 
 
 @dataclass(frozen=True, slots=True)
+class ChannelError:
+    """We closed ``channel`` ourselves because of its input (channel.close queued; ChannelCloseOk follows)."""
+    channel: int
+    reply_code: int
+    reply_text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Method:
+    """Any other client method on a channel; ``payload`` is the raw method payload (re-decode with decode_method)."""
     channel: int
     class_id: int
     method_id: int
@@ -96,24 +144,31 @@ class Method:
 
 @dataclass(frozen=True, slots=True)
 class CloseRequested:
+    """The client sent connection.close; close-ok is already queued."""
     reply_code: int
     reply_text: str
 
 
 @dataclass(frozen=True, slots=True)
 class Closed:
+    """The close handshake finished, or the peer closed its side."""
     reason: str
 
 
 @dataclass(frozen=True, slots=True)
 class ProtocolError:
+    """Bad input: connection.close with this code is queued (for a bad protocol header, our header)."""
     reply_code: int
     reply_text: str
 
 
 @dataclass(frozen=True, slots=True)
 class HeartbeatTimeout:
-    pass
+    """The client sent nothing for more than two heartbeat intervals while the monitor was running."""
+
+
+Event = Union[Publish, Opened, ChannelOpen, ChannelClose, ChannelCloseOk, ChannelError, Method, CloseRequested,
+              Closed, ProtocolError, HeartbeatTimeout]
 
 
 @dataclass(frozen=True)
@@ -122,69 +177,167 @@ class ConnectionStatistics:
     bytes_in: int
     bytes_out: int
     frames_in: int
+    frames_out: int
     publishes: int
+    methods: int
     open_channels: int
     unparsed_bytes: int
+    heartbeats_sent: int
+
+
+# -- state tables ------------------------------------------------------------------------------
+
+STATES = ("awaiting_header", "starting", "tuning", "opening", "open", "closing", "closed")
+_HANDSHAKE = ("starting", "tuning", "opening")
+_TRANSITIONS: dict[tuple[str, str], str] = {
+    ("awaiting_header", "header"): "starting",
+    ("starting", "start_ok"): "tuning",
+    ("tuning", "tune_ok"): "opening",
+    ("opening", "open"): "open",
+    ("closing", "close_ok"): "closed",
+    **{(s, "close_sent"): "closing" for s in (*_HANDSHAKE, "open")},
+    **{(s, "client_close"): "closed" for s in (*_HANDSHAKE, "open")},
+    **{(s, "drop"): "closed" for s in STATES if s != "closed"},
+}
+# the one method the client may send on channel 0 in each handshake state
+_EXPECTED = {"starting": frames.CONNECTION_START_OK, "tuning": frames.CONNECTION_TUNE_OK,
+             "opening": frames.CONNECTION_OPEN}
+_RABBIT_STATE_NAMES = {"open": "running"}
+
+CH_OPENING, CH_OPEN, CH_CLIENT_CLOSING, CH_SERVER_CLOSING = "opening", "open", "client_closing", "server_closing"
+_CHANNEL_TRANSITIONS: dict[tuple[str | None, str], str | None] = {
+    (None, "open"): CH_OPENING,
+    (CH_OPENING, "open_ok"): CH_OPEN,
+    (CH_OPENING, "client_close"): CH_CLIENT_CLOSING,
+    (CH_OPEN, "client_close"): CH_CLIENT_CLOSING,
+    (CH_CLIENT_CLOSING, "close_ok_sent"): None,
+    (CH_OPENING, "server_close"): CH_SERVER_CLOSING,
+    (CH_OPEN, "server_close"): CH_SERVER_CLOSING,
+    (CH_SERVER_CLOSING, "close_ok_received"): None,
+}
+
+
+def _k(key: tuple[int, int]) -> int:
+    return key[0] << 16 | key[1]
+
+
+_PUBLISH = _k(frames.BASIC_PUBLISH)
+_CHANNEL_OPEN = _k(frames.CHANNEL_OPEN)
+_CHANNEL_CLOSE = _k(frames.CHANNEL_CLOSE)
+_CHANNEL_CLOSE_OK = _k(frames.CHANNEL_CLOSE_OK)
+_CONNECTION_CLOSE = _k(frames.CONNECTION_CLOSE)
+_CONNECTION_CLOSE_OK = _k(frames.CONNECTION_CLOSE_OK)
+# what a client may send on an open channel besides publish/open/close: forwarded as Method events
+_CLIENT_CHANNEL_METHODS = frozenset(_k(key) for key in (
+    frames.CHANNEL_FLOW, frames.CHANNEL_FLOW_OK,
+    frames.EXCHANGE_DECLARE, frames.EXCHANGE_DELETE, frames.EXCHANGE_BIND, frames.EXCHANGE_UNBIND,
+    frames.QUEUE_DECLARE, frames.QUEUE_BIND, frames.QUEUE_PURGE, frames.QUEUE_DELETE, frames.QUEUE_UNBIND,
+    frames.BASIC_QOS, frames.BASIC_CONSUME, frames.BASIC_CANCEL, frames.BASIC_GET, frames.BASIC_ACK,
+    frames.BASIC_REJECT, frames.BASIC_RECOVER_ASYNC, frames.BASIC_RECOVER, frames.BASIC_NACK,
+    frames.CONFIRM_SELECT, frames.TX_SELECT, frames.TX_COMMIT, frames.TX_ROLLBACK))
+
+_FRAME_HEAD = frames._FRAME_HEAD
+_PUBLISH_HEAD = frames._PUBLISH_HEAD
+_HEADER_HEAD = frames._HEADER_HEAD
+_CH_ACCEPTING = frozenset({"opening", "open"})
+_HEADER_PAYLOAD = frames._HEADER_PAYLOAD
+_new_publish = tuple.__new__
 
 
 class _Assembly:
-    __slots__ = ("exchange", "routing_key", "mandatory", "size", "props_raw", "parts", "got", "oversized")
+    """A basic.publish waiting for its content header and body frames."""
 
-    def __init__(self, exchange, routing_key, mandatory):
+    __slots__ = ("exchange", "routing_key", "mandatory", "size", "props_raw", "delivery_mode", "parts", "got",
+                 "oversized")
+
+    def __init__(self, exchange: bytes, routing_key: bytes, mandatory: bool):
         self.exchange = exchange
         self.routing_key = routing_key
         self.mandatory = mandatory
-        self.size = -1
+        self.size = -1                  # -1 until the content header arrives
         self.props_raw = b""
-        self.parts: list = []
+        self.delivery_mode = None
+        self.parts: list[bytes] = []
         self.got = 0
         self.oversized = False
 
 
+def _unexpected(explanation: str, key: tuple[int, int] = (0, 0)) -> ConnectionLevelError:
+    return ConnectionLevelError(E.UNEXPECTED_FRAME, reply_text(E.UNEXPECTED_FRAME, explanation), *key)
+
+
+def _unknown_frame(ftype: int, buf, ps: int, pe: int) -> FrameError:
+    return FrameError(E.FRAME_ERROR, reply_text(E.FRAME_ERROR, f"type {ftype}, {frames.octets(buf, ps, pe)}: "
+                                                               "unknown_frame"))
+
+
+def _clip(text: str) -> str:
+    """``text`` cut to fit a shortstr (255 UTF-8 bytes) without splitting a character."""
+    raw = text.encode("utf-8")
+    return text if len(raw) <= 255 else raw[:255].decode("utf-8", "ignore")
+
+
 class ServerConnection:
+    """One client's AMQP connection, as the broker sees it (see the module docstring)."""
+
     def __init__(self, *, node_name: str = "creditflow@localhost", heartbeat_s: int = 60,
                  frame_max: int = 131072, channel_max: int = 2047, max_message_bytes: int = 16 * 1024 * 1024,
-                 users=None, now_ns: int = 0, refuse_open: str | None = None):
+                 users: Mapping[str, str] = MappingProxyType({"guest": "guest"}), now_ns: int = 0,
+                 refuse_open: str | None = None):
+        if frame_max and frame_max < frames.FRAME_MIN_SIZE:
+            raise ValueError(f"frame_max {frame_max} is below the protocol minimum {frames.FRAME_MIN_SIZE}")
         self.node_name = node_name
-        self.refuse_open = refuse_open      # reply text for a 530 in place of open-ok (over a limit)
+        self.refuse_open = refuse_open      # reply text for a 530 in place of open-ok (a limit is reached)
         self.server_heartbeat_s = heartbeat_s
         self.server_frame_max = frame_max
         self.server_channel_max = channel_max
         self.max_message_bytes = max_message_bytes
-        self.users = dict(users or {"guest": "guest"})
+        self._users = dict(users)
         self.state = "awaiting_header"
-        self.frame_max = frame_max
-        self.channel_max = channel_max
+        # negotiated at tune-ok; until then RabbitMQ's initial limits apply
+        self.frame_max = frames.FRAME_MIN_SIZE
+        self._payload_max = frames.FRAME_MIN_SIZE - frames.FRAME_OVERHEAD_BYTES + FRAME_SIZE_SLACK_BYTES
+        self.channel_max = channel_max or CHANNEL_MAX_NO_LIMIT
         self.heartbeat_s = 0
         self.client_properties: dict = {}
         self.capabilities: dict = {}
         self.user: str | None = None
         self.vhost: str | None = None
-        self._buf = bytearray()
+        self._buf = b""
         self._pos = 0
         self._out: list[bytes] = []
         self._eof = False
-        self._channels: set[int] = set()
-        self._server_closing: set[int] = set()
-        self._client_closing: set[int] = set()
+        self._desynced = False
+        self._channels: dict[int, str] = {}
         self._assembly: dict[int, _Assembly] = {}
+        self._fresh_bytes = False
         self._last_in_ns = now_ns
         self._last_out_ns = now_ns
         self._monitor_paused = False
         self.bytes_in = 0
         self.bytes_out = 0
         self.frames_in = 0
+        self.frames_out = 0
         self.publishes = 0
+        self.methods = 0
+        self.heartbeats_sent = 0
 
-    # -- bytes in and out ---------------------------------------------------------------
+    # -- bytes in and out ------------------------------------------------------------------------
     def receive_data(self, data: bytes) -> None:
+        """Client bytes, as read from the socket; ``b""`` means the client closed its side."""
         if not data:
             self._eof = True
             return
-        self._buf += data
+        if self._pos:
+            self._buf = self._buf[self._pos:] + data
+            self._pos = 0
+        else:
+            self._buf += data
         self.bytes_in += len(data)
+        self._fresh_bytes = True
 
     def data_to_send(self) -> bytes:
+        """Everything queued for the client since the last call (and forget it)."""
         if not self._out:
             return b""
         data = b"".join(self._out)
@@ -193,349 +346,560 @@ class ServerConnection:
         return data
 
     def buffered_bytes(self) -> int:
+        """Received bytes not parsed yet."""
         return len(self._buf) - self._pos
+
+    def note_sent(self, now_ns: int) -> None:
+        """The reader wrote to the socket at ``now_ns`` (any traffic postpones our next heartbeat)."""
+        self._last_out_ns = now_ns
 
     @property
     def open_channels(self) -> frozenset[int]:
         return frozenset(self._channels)
 
-    def _send(self, data: bytes) -> None:
-        self._out.append(data)
+    def channel_state(self, channel: int) -> str | None:
+        """``'opening'``, ``'open'``, ``'client_closing'``, ``'server_closing'`` or None."""
+        return self._channels.get(channel)
 
     def _method(self, channel: int, method) -> None:
         self._out.append(frames.encode_method(channel, method))
+        self.frames_out += 1
 
-    # -- parsing ----------------------------------------------------------------------------
-    def next_event(self, now_ns: int):
+    def _advance(self, event: str) -> None:
+        new = _TRANSITIONS.get((self.state, event))
+        if new is None:
+            raise UsageError(f"connection cannot '{event}' in state '{self.state}'")
+        self.state = new
+
+    def _advance_channel(self, channel: int, event: str) -> None:
+        key = (self._channels.get(channel), event)
+        if key not in _CHANNEL_TRANSITIONS:
+            raise UsageError(f"channel {channel} cannot '{event}' in state '{key[0]}'")
+        new = _CHANNEL_TRANSITIONS[key]
+        if new is None:
+            del self._channels[channel]
+            self._assembly.pop(channel, None)
+        else:
+            self._channels[channel] = new
+
+    # -- parsing ---------------------------------------------------------------------------------
+    def next_event(self, now_ns: int) -> Event | None:
+        """Parse until one event is complete and return it; None means more bytes are needed."""
+        if self._fresh_bytes:
+            self._fresh_bytes = False
+            self._last_in_ns = now_ns
         while True:
             if self.state == "closed":
                 return None
-            if self._pos >= _COMPACT_BYTES:
-                self._compact()
-            buf = self._buf
+            if self._desynced:
+                return self._drop("peer closed the connection") if self._eof else None
             pos = self._pos
-            if self.state == "awaiting_header":
-                if len(buf) < 8:
-                    return Closed("peer closed before the protocol header") if self._eof else None
-                header = bytes(buf[:8])
-                self._pos = 8
-                self._compact()
-                if header != frames.PROTOCOL_HEADER:
-                    self._send(frames.PROTOCOL_HEADER)
-                    self.state = "closed"
-                    return ProtocolError(E.FRAME_ERROR, f"bad protocol header {header!r}")
-                self.state = "starting"
-                self._send_start()
+            buf = self._buf
+            if self.state == "open":
+                if len(buf) - pos > 13 and buf[pos] == 1:
+                    event = self._whole_publish(buf, pos)
+                    if event is not None:
+                        return event
+            elif self.state == "awaiting_header":
+                event = self._protocol_header()
+                if event is not None or self.state == "awaiting_header":
+                    return event
                 continue
             try:
-                found = frames.next_frame(buf, pos, self.frame_max)
+                found = frames.next_frame(buf, pos, self.frame_max, slack_bytes=FRAME_SIZE_SLACK_BYTES)
             except FrameError as err:
+                self._desynced = True
                 return self._hard(err)
             if found is None:
                 if self._eof:
-                    self.state = "closed"
-                    return Closed("peer closed the connection")
+                    leftover = " in the middle of a frame" if pos < len(buf) else ""
+                    return self._drop(f"peer closed the connection{leftover}")
                 return None
             ftype, channel, ps, pe = found
             self._pos = pe + 1
             self.frames_in += 1
-            self._last_in_ns = now_ns
             try:
                 event = self._frame(ftype, channel, buf, ps, pe)
             except ChannelLevelError as err:
-                self.close_channel(channel, err.reply_code, err.reply_text, err.class_id, err.method_id)
-                continue
+                event = self._channel_error(channel, err)
             except AmqpError as err:
                 return self._hard(err)
             if event is not None:
                 return event
 
-    def _compact(self) -> None:
-        if self._pos:
-            del self._buf[:self._pos]
-            self._pos = 0
+    def _protocol_header(self) -> Event | None:
+        """Check the 8-byte protocol header; None once it is good (or while it is incomplete)."""
+        buf = self._buf
+        if len(buf) < len(frames.PROTOCOL_HEADER):
+            return self._drop("peer closed before sending the protocol header") if self._eof else None
+        header = bytes(buf[:8])
+        self._pos = 8
+        if header not in (frames.PROTOCOL_HEADER, b"AMQP\x01\x01\x00\x09"):   # 0-9 is served as 0-9-1
+            self._out.append(frames.PROTOCOL_HEADER)
+            self._advance("drop")
+            return ProtocolError(E.FRAME_ERROR, f"client did not start with the AMQP 0-9-1 protocol header: "
+                                                f"{header!r}")
+        self._advance("header")
+        self._send_start()
+        return None
 
-    def _hard(self, err: AmqpError):
+    def _drop(self, reason: str) -> Closed:
+        self._advance("drop")
+        self._assembly.clear()
+        return Closed(reason)
+
+    def _hard(self, err: AmqpError) -> ProtocolError | None:
+        """Queue connection.close for ``err`` (unless already closing) and report it."""
         if self.state in ("closing", "closed"):
             return None
         self.close(err.reply_code, err.reply_text, err.class_id, err.method_id)
         return ProtocolError(err.reply_code, err.reply_text)
 
+    def _channel_error(self, channel: int, err: AmqpError) -> ChannelError:
+        self.close_channel(channel, err.reply_code, err.reply_text, err.class_id, err.method_id)
+        return ChannelError(channel, err.reply_code, err.reply_text)
+
     def _frame(self, ftype: int, channel: int, buf, ps: int, pe: int):
+        if self.state == "closing":
+            return self._while_closing(ftype, channel, buf, ps, pe)
         if ftype == frames.FrameType.METHOD:
             if pe - ps < 4:
-                raise FrameError(E.FRAME_ERROR, "FRAME_ERROR - method frame too short")
+                raise _unknown_frame(ftype, buf, ps, pe)
             key = frames.method_id(buf, ps)
+            if _k(key) not in commands.INDEX_MAPPING:
+                raise ConnectionLevelError(E.NOT_IMPLEMENTED, reply_text(
+                    E.NOT_IMPLEMENTED, f"unknown method {key[0]}/{key[1]}"), *key)
             if channel == 0:
                 return self._connection_method(key, buf, ps, pe)
+            if self.state != "open":
+                raise _unexpected(f"type 1, {frames.octets(buf, ps, pe)}")
             return self._channel_method(channel, key, buf, ps, pe)
-        if ftype == frames.FrameType.HEADER:
-            return self._content_header(channel, buf, ps, pe)
-        if ftype == frames.FrameType.BODY:
+        if ftype == frames.FrameType.HEADER or ftype == frames.FrameType.BODY:
+            if channel == 0 or self.state != "open":
+                raise _unexpected(f"type {ftype}, {frames.octets(buf, ps, pe)}")
+            if ftype == frames.FrameType.HEADER:
+                return self._content_header(channel, buf, ps, pe)
             return self._content_body(channel, buf, ps, pe)
-        if ftype == frames.FrameType.HEARTBEAT:
+        if ftype == frames.FrameType.HEARTBEAT and pe == ps:
             if channel != 0:
-                raise ConnectionLevelError(E.FRAME_ERROR, "FRAME_ERROR - heartbeat frame on a channel other than 0")
+                raise _unexpected(f"type 8, {frames.octets(buf, ps, pe)}")
             return None
-        raise FrameError(E.FRAME_ERROR, f"FRAME_ERROR - unknown frame type {ftype}")
+        raise _unknown_frame(ftype, buf, ps, pe)
 
-    # -- connection class (channel 0) ------------------------------------------------------------
-    def _connection_method(self, key, buf, ps, pe):
-        method = frames.decode_method(buf, ps, pe)
-        name = method.name
-        if self.state == "closing":
-            if name == "Connection.CloseOk":
-                self.state = "closed"
-                return Closed("close handshake finished")
-            if name == "Connection.Close":
-                self._method(0, commands.Connection.CloseOk())
+    def _while_closing(self, ftype: int, channel: int, buf, ps: int, pe: int):
+        # we sent connection.close: only close-ok (or the client's own close) matters now
+        if ftype != frames.FrameType.METHOD or channel != 0 or pe - ps < 4:
             return None
-        if name == "Connection.Close":
+        key = _k(frames.method_id(buf, ps))
+        if key == _CONNECTION_CLOSE_OK:
+            self._advance("close_ok")
+            self._assembly.clear()
+            return Closed("close handshake finished")
+        if key == _CONNECTION_CLOSE:
             self._method(0, commands.Connection.CloseOk())
-            self.state = "closed"
+        return None
+
+    # -- channel 0: the connection class ----------------------------------------------------------------
+    def _connection_method(self, key: tuple[int, int], buf, ps: int, pe: int):
+        method = frames.decode_method(buf, ps, pe)
+        if key == frames.CONNECTION_CLOSE:
+            self._method(0, commands.Connection.CloseOk())
+            self._advance("client_close")
+            self._assembly.clear()
             return CloseRequested(method.reply_code, method.reply_text)
-        expected = {"starting": "Connection.StartOk", "tuning": "Connection.TuneOk",
-                    "opening": "Connection.Open"}.get(self.state)
-        if expected is not None and name != expected:
-            raise ConnectionLevelError(E.COMMAND_INVALID, f"COMMAND_INVALID - expected '{expected}', got "
-                                                          f"'{name}'", *key)
-        if name == "Connection.StartOk":
-            return self._start_ok(method, key)
-        if name == "Connection.TuneOk":
+        if _EXPECTED.get(self.state) != key:
+            if key == frames.CONNECTION_UPDATE_SECRET and self.state == "open":
+                raise ConnectionLevelError(E.NOT_IMPLEMENTED, reply_text(
+                    E.NOT_IMPLEMENTED, "connection.update-secret is not supported"), *key)
+            raise ConnectionLevelError(E.CHANNEL_ERROR, reply_text(
+                E.CHANNEL_ERROR, f"unexpected method in connection state "
+                                 f"{_RABBIT_STATE_NAMES.get(self.state, self.state)}"), *key)
+        if key == frames.CONNECTION_START_OK:
+            return self._start_ok(method)
+        if key == frames.CONNECTION_TUNE_OK:
             self._tune_ok(method)
             return None
-        if name == "Connection.Open":
-            if method.virtual_host != "/":
-                raise ConnectionLevelError(E.NOT_ALLOWED, f"NOT_ALLOWED - access to vhost "
-                                                          f"'{method.virtual_host}' refused for user "
-                                                          f"'{self.user}'", *key)
-            if self.refuse_open:
-                raise ConnectionLevelError(E.NOT_ALLOWED, self.refuse_open, *key)
-            self.vhost = method.virtual_host
-            self._method(0, commands.Connection.OpenOk())
-            self.state = "open"
-            return Opened(self.vhost, self.user, self.client_properties)
-        if name in ("Connection.Blocked", "Connection.Unblocked"):
-            return None
-        raise ConnectionLevelError(E.COMMAND_INVALID, f"COMMAND_INVALID - unexpected '{name}' on channel 0", *key)
+        return self._open(method)
 
     def _send_start(self) -> None:
-        caps = {k: True for k in ("publisher_confirms", "exchange_exchange_bindings", "basic.nack",
-                                  "consumer_cancel_notify", "connection.blocked", "authentication_failure_close",
-                                  "per_consumer_qos", "direct_reply_to")}
-        props = {"product": PRODUCT, "version": VERSION, "platform": "Python", "capabilities": caps,
+        props = {"product": PRODUCT, "version": VERSION,
+                 "platform": f"Python {sys.version_info.major}.{sys.version_info.minor}",
+                 "capabilities": {name: True for name in SERVER_CAPABILITIES},
                  "cluster_name": self.node_name,
-                 "information": "creditflow: RabbitMQ's flow control, reproduced"}
-        self._method(0, commands.Connection.Start(server_properties=props, mechanisms="PLAIN AMQPLAIN",
+                 "information": "creditflow: RabbitMQ's publish pipeline and flow control, reproduced"}
+        self._method(0, commands.Connection.Start(server_properties=props, mechanisms=AUTH_MECHANISMS,
                                                   locales="en_US"))
 
-    def _start_ok(self, method, key):
+    def _start_ok(self, method) -> ProtocolError | None:
         self.client_properties = dict(method.client_properties or {})
-        self.capabilities = dict(self.client_properties.get("capabilities") or {})
-        user, password = _credentials(method.mechanism, method.response)
-        if user is None or self.users.get(user) != password:
-            raise ConnectionLevelError(E.ACCESS_REFUSED, f"ACCESS_REFUSED - Login was refused using "
-                                                         f"authentication mechanism {method.mechanism}. "
-                                                         "For details see the broker logfile.", *key)
+        caps = self.client_properties.get("capabilities")
+        self.capabilities = dict(caps) if isinstance(caps, dict) else {}
+        mechanism = method.mechanism
+        if mechanism not in AUTH_MECHANISMS.split():
+            raise ConnectionLevelError(E.COMMAND_INVALID, reply_text(
+                E.COMMAND_INVALID, f"unknown authentication mechanism '{mechanism}'"), *frames.CONNECTION_START_OK)
+        user, password = _credentials(mechanism, method.response)
+        if user not in self._users or self._users[user] != password:
+            return self._refuse_login(mechanism)
         self.user = user
         self._method(0, commands.Connection.Tune(channel_max=self.server_channel_max,
                                                  frame_max=self.server_frame_max,
                                                  heartbeat=self.server_heartbeat_s))
-        self.state = "tuning"
+        self._advance("start_ok")
         return None
+
+    def _refuse_login(self, mechanism: str) -> ProtocolError:
+        # RabbitMQ sends connection.close only to clients announcing authentication_failure_close;
+        # other clients are simply disconnected, as the specification asks
+        text = reply_text(E.ACCESS_REFUSED, f"Login was refused using authentication mechanism {mechanism}. "
+                                            "For details see the broker logfile.")
+        if self.capabilities.get("authentication_failure_close"):
+            self.close(E.ACCESS_REFUSED, text, *frames.CONNECTION_START_OK)
+        else:
+            self._advance("drop")
+        return ProtocolError(E.ACCESS_REFUSED, text)
 
     def _tune_ok(self, method) -> None:
-        if method.frame_max and method.frame_max < frames.FRAME_MIN_SIZE:
-            raise ConnectionLevelError(E.NOT_ALLOWED, f"NOT_ALLOWED - frame_max={method.frame_max} < "
-                                                      f"{frames.FRAME_MIN_SIZE} min size", 10, 31)
-        self.frame_max = min(self.server_frame_max, method.frame_max or self.server_frame_max)
-        self.channel_max = min(self.server_channel_max, method.channel_max or self.server_channel_max)
+        frame_max = _negotiated("frame_max", method.frame_max, self.server_frame_max, frames.FRAME_MIN_SIZE)
+        channel_max = _negotiated("channel_max", method.channel_max, self.server_channel_max, 1)
+        self.frame_max = frame_max
+        self._payload_max = (frame_max - frames.FRAME_OVERHEAD_BYTES + FRAME_SIZE_SLACK_BYTES if frame_max
+                             else 0xFFFFFFFF)
+        self.channel_max = channel_max or CHANNEL_MAX_NO_LIMIT
         self.heartbeat_s = method.heartbeat
-        self.state = "opening"
+        self._advance("tune_ok")
 
-    # -- channels ----------------------------------------------------------------------------
-    def _channel_method(self, channel: int, key, buf, ps, pe):
-        if self.state != "open":
-            if self.state == "closing":
-                return None
-            raise ConnectionLevelError(E.COMMAND_INVALID, "COMMAND_INVALID - channel method before "
-                                                          "connection.open", *key)
-        if channel in self._server_closing:
-            if key == CHANNEL_CLOSE_OK:
-                self._server_closing.discard(channel)
-                self._channels.discard(channel)
-                self._assembly.pop(channel, None)
+    def _open(self, method) -> Opened:
+        vhost = method.virtual_host
+        if self.refuse_open:
+            raise ConnectionLevelError(E.NOT_ALLOWED, self.refuse_open, *frames.CONNECTION_OPEN)
+        if vhost != "/":
+            raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(E.NOT_ALLOWED, f"vhost {vhost} not found"),
+                                       *frames.CONNECTION_OPEN)
+        self.vhost = vhost
+        self._method(0, commands.Connection.OpenOk())
+        self._advance("open")
+        return Opened(vhost, self.user, self.client_properties)
+
+    # -- channels -------------------------------------------------------------------------------------
+    def _channel_method(self, channel: int, key: tuple[int, int], buf, ps: int, pe: int):
+        k = _k(key)
+        state = self._channels.get(channel)
+        if state is None:
+            if channel > self.channel_max:
+                raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(
+                    E.NOT_ALLOWED, f"channel number {channel} is over the negotiated channel_max "
+                                   f"({self.channel_max})"), *key)
+            frames.decode_method(buf, ps, pe)
+            if k != _CHANNEL_OPEN:
+                raise ConnectionLevelError(E.CHANNEL_ERROR, reply_text(E.CHANNEL_ERROR, "expected 'channel.open'"),
+                                           *key)
+            self._advance_channel(channel, "open")
+            return ChannelOpen(channel)
+        if state == CH_SERVER_CLOSING:
+            if k == _CHANNEL_CLOSE_OK:
+                self._advance_channel(channel, "close_ok_received")
                 return ChannelCloseOk(channel)
-            if key == CHANNEL_CLOSE:
+            if k == _CHANNEL_CLOSE:
                 self._method(channel, commands.Channel.CloseOk())
             return None
-        if channel not in self._channels:
-            if key != CHANNEL_OPEN:
-                raise ConnectionLevelError(E.CHANNEL_ERROR, "CHANNEL_ERROR - expected 'channel.open'", *key)
-            if channel > self.channel_max:
-                raise ConnectionLevelError(E.NOT_ALLOWED, f"NOT_ALLOWED - channel number {channel} is above "
-                                                          f"the negotiated channel_max {self.channel_max}", *key)
-            self._channels.add(channel)
-            return ChannelOpen(channel)
+        if state == CH_CLIENT_CLOSING:
+            return None
         if channel in self._assembly:
-            raise ConnectionLevelError(E.UNEXPECTED_FRAME, f"UNEXPECTED_FRAME - expected content header for "
-                                                           f"class 60, got non content header frame instead", *key)
-        if channel in self._client_closing:
-            return None
-        if key == frames.BASIC_PUBLISH:
-            exchange, routing_key, bits = frames.decode_publish_raw(buf, ps)
-            self._assembly[channel] = _Assembly(exchange, routing_key, bool(bits & 1))
-            return None
-        if key == CHANNEL_OPEN:
-            raise ConnectionLevelError(E.CHANNEL_ERROR, "CHANNEL_ERROR - second 'channel.open' seen", *key)
+            raise _unexpected("expected content header for class 60, got non content header frame instead",
+                              frames.BASIC_PUBLISH)
+        if k == _PUBLISH:
+            return self._start_assembly(channel, buf, ps, pe)
         method = frames.decode_method(buf, ps, pe)
-        if key == CHANNEL_CLOSE:
-            self._client_closing.add(channel)
+        if k == _CHANNEL_CLOSE:
+            self._advance_channel(channel, "client_close")
+            self._assembly.pop(channel, None)
             return ChannelClose(channel, method.reply_code, method.reply_text)
-        if key == CHANNEL_CLOSE_OK:
-            return None
+        if k == _CHANNEL_OPEN:
+            raise ConnectionLevelError(E.CHANNEL_ERROR, reply_text(E.CHANNEL_ERROR, "second 'channel.open' seen"),
+                                       *key)
+        if k == _CHANNEL_CLOSE_OK:
+            return None                 # nothing of ours to acknowledge
+        if k not in _CLIENT_CHANNEL_METHODS:
+            raise ConnectionLevelError(E.COMMAND_INVALID, reply_text(E.COMMAND_INVALID, "unimplemented method"),
+                                       *key)
+        self.methods += 1
         return Method(channel, key[0], key[1], bytes(buf[ps:pe]), method)
 
-    def _content_header(self, channel, buf, ps, pe):
-        asm = self._assembly.get(channel)
-        if asm is None or asm.size >= 0:
-            if channel in self._server_closing or channel in self._client_closing:
-                return None
-            raise ConnectionLevelError(E.UNEXPECTED_FRAME, "UNEXPECTED_FRAME - unexpected content header "
-                                                           "frame", 60, 40)
-        size, props_raw = frames.decode_content_header(buf, ps, pe)
-        asm.size = size
-        asm.props_raw = props_raw
-        if size > self.max_message_bytes:
-            asm.oversized = True
-        if size == 0:
-            return self._complete(channel, asm)
+    def _start_assembly(self, channel: int, buf, ps: int, pe: int) -> None:
+        exchange, routing_key, bits = frames.decode_publish_raw(buf, ps, pe)
+        if bits & 2:
+            raise ConnectionLevelError(E.NOT_IMPLEMENTED, reply_text(E.NOT_IMPLEMENTED, "immediate=true"),
+                                       *frames.BASIC_PUBLISH)
+        self._assembly[channel] = _Assembly(exchange, routing_key, bool(bits & 1))
         return None
 
-    def _content_body(self, channel, buf, ps, pe):
-        asm = self._assembly.get(channel)
-        if asm is None or asm.size < 0:
-            if channel in self._server_closing or channel in self._client_closing:
+    def _whole_publish(self, buf, pos: int) -> Publish | None:
+        """The fast path: a basic.publish at ``pos`` whose header and body frames are all buffered.
+
+        Returns None, consuming nothing, for anything else (another method,
+        content still arriving, a body over several frames, any irregularity);
+        the general path then takes the frame and reports what is wrong.
+        """
+        ftype, channel, size, cls, mid, _ = _PUBLISH_HEAD.unpack_from(buf, pos)
+        if (cls != 60 or mid != 40 or not channel or size > self._payload_max
+                or self._channels.get(channel) not in _CH_ACCEPTING or channel in self._assembly):
+            return None
+        # method arguments: u16 reserved | shortstr exchange | shortstr routing key | bits
+        pe = pos + 7 + size
+        buf_size = len(buf)
+        if pe >= buf_size:
+            return None
+        o = pos + 13
+        e = o + 1 + buf[o]
+        if e >= pe:
+            return None
+        r = e + 1 + buf[e]
+        if r + 1 != pe or buf[r] & 2:
+            return None
+        hpos = pe + 1
+        if buf_size - hpos < 22 or buf[pe] != 0xCE:
+            return None
+        ftype, hch, hsize, cls, weight, body_size = _HEADER_HEAD.unpack_from(buf, hpos)
+        hend = hpos + 7 + hsize
+        if (ftype != 2 or hch != channel or cls != 60 or weight != 0 or hsize < frames._HEADER_MIN_BYTES
+                or hsize > self._payload_max or hend >= buf_size or buf[hend] != 0xCE
+                or body_size > self.max_message_bytes):
+            return None
+        bpos = hend + 1
+        if body_size == 0:
+            body, nxt = b"", bpos
+        else:
+            nxt = bpos + 8 + body_size
+            if nxt > buf_size or body_size > self._payload_max:
                 return None
-            raise ConnectionLevelError(E.UNEXPECTED_FRAME, "UNEXPECTED_FRAME - unexpected content body frame",
-                                       60, 40)
+            ftype, bch, bsize = _FRAME_HEAD.unpack_from(buf, bpos)
+            if ftype != 3 or bch != channel or bsize != body_size or buf[nxt - 1] != 0xCE:
+                return None
+            body = buf[bpos + 7:nxt - 1]
+        props_raw = buf[hpos + 19:hend]
+        if len(props_raw) == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
+            mode = props_raw[2]                  # delivery mode alone: the common case
+        else:
+            try:
+                mode = frames.check_properties(props_raw)
+            except FrameError:
+                return None
+        self._pos = nxt
+        self.frames_in += 3 if body_size else 2
+        self.publishes += 1
+        return _new_publish(Publish, (channel, buf[o + 1:e], buf[e + 1:r], bool(buf[r] & 1), props_raw, body, mode))
+
+    def _content_state(self, channel: int) -> _Assembly | None:
+        """The assembly a content frame on ``channel`` belongs to; None if the frame is to be dropped."""
+        state = self._channels.get(channel)
+        if state in (CH_CLIENT_CLOSING, CH_SERVER_CLOSING):
+            return None
+        if state is None and channel > self.channel_max:
+            raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(
+                E.NOT_ALLOWED, f"channel number {channel} is over the negotiated channel_max ({self.channel_max})"))
+        asm = self._assembly.get(channel)
+        if asm is None:
+            raise _unexpected("expected method frame, got non method frame instead")
+        return asm
+
+    def _content_header(self, channel: int, buf, ps: int, pe: int):
+        asm = self._content_state(channel)
+        if asm is None:
+            return None
+        if asm.size >= 0:
+            raise _unexpected("expected content body, got non content body frame instead", frames.BASIC_PUBLISH)
+        if pe - ps < frames._HEADER_MIN_BYTES:
+            raise _unknown_frame(2, buf, ps, pe)
+        cls, weight, size = _HEADER_PAYLOAD.unpack_from(buf, ps)
+        if weight != 0:
+            raise _unexpected("expected content header for class 60, got non content header frame instead",
+                              frames.BASIC_PUBLISH)
+        if cls != 60:
+            raise _unexpected(f"expected content header for class 60, got one for class {cls} instead",
+                              frames.BASIC_PUBLISH)
+        if size > frames.MAX_MESSAGE_BYTES_LIMIT:
+            raise FrameError(E.FRAME_ERROR, reply_text(E.FRAME_ERROR, f"content body size {size} exceeds maximum "
+                                                                      f"allowed size {frames.MAX_MESSAGE_BYTES_LIMIT}"),
+                             *frames.BASIC_PUBLISH)
+        asm.props_raw = bytes(buf[ps + 12:pe])
+        asm.delivery_mode = frames.check_properties(asm.props_raw)
+        asm.size = size
+        asm.oversized = size > self.max_message_bytes
+        return self._complete(channel, asm) if size == 0 else None
+
+    def _content_body(self, channel: int, buf, ps: int, pe: int):
+        asm = self._content_state(channel)
+        if asm is None:
+            return None
+        if asm.size < 0:
+            raise _unexpected("expected content header for class 60, got non content header frame instead",
+                              frames.BASIC_PUBLISH)
         asm.got += pe - ps
         if asm.got > asm.size:
-            raise ConnectionLevelError(E.FRAME_ERROR, f"FRAME_ERROR - content body of {asm.got} bytes is larger "
-                                                      f"than the header's {asm.size}", 60, 40)
+            raise FrameError(E.FRAME_ERROR, reply_text(E.FRAME_ERROR, "content body frame exceeds remaining "
+                                                                      "content size"), *frames.BASIC_PUBLISH)
         if not asm.oversized:
             asm.parts.append(bytes(buf[ps:pe]))
-        if asm.got == asm.size:
-            return self._complete(channel, asm)
-        return None
+        return self._complete(channel, asm) if asm.got == asm.size else None
 
-    def _complete(self, channel, asm: _Assembly):
+    def _complete(self, channel: int, asm: _Assembly):
         del self._assembly[channel]
         if asm.oversized:
-            raise ChannelLevelError(E.PRECONDITION_FAILED, f"PRECONDITION_FAILED - message size {asm.size} is "
-                                                           f"larger than configured max size "
-                                                           f"{self.max_message_bytes}", 60, 40)
+            raise ChannelLevelError(E.PRECONDITION_FAILED, reply_text(
+                E.PRECONDITION_FAILED, f"message size {asm.size} is larger than configured max size "
+                                       f"{self.max_message_bytes}"), *frames.BASIC_PUBLISH)
         parts = asm.parts
         body = parts[0] if len(parts) == 1 else b"".join(parts)
         self.publishes += 1
-        return Publish(channel, asm.exchange, asm.routing_key, asm.mandatory, asm.props_raw, body,
-                       frames.delivery_mode_of(asm.props_raw))
+        return _new_publish(Publish, (channel, asm.exchange, asm.routing_key, asm.mandatory, asm.props_raw, body,
+                                      asm.delivery_mode))
 
-    # -- answers and frames the reader asks for ----------------------------------------------------
+    # -- answers and frames the reader asks for -------------------------------------------------------------
     def open_channel_ok(self, channel: int) -> None:
-        self._method(channel, commands.Channel.OpenOk())
+        """Answer a ChannelOpen (once the channel's process exists); ignored if the channel has moved on."""
+        if self.state == "open" and self._channels.get(channel) == CH_OPENING:
+            self._advance_channel(channel, "open_ok")
+            self._method(channel, commands.Channel.OpenOk())
 
     def close_channel_ok(self, channel: int) -> None:
-        if channel in self._client_closing:
-            self._client_closing.discard(channel)
-            self._channels.discard(channel)
-            self._assembly.pop(channel, None)
+        """Answer a ChannelClose (once the channel's process has stopped); frees the channel number."""
+        if self._channels.get(channel) != CH_CLIENT_CLOSING:
+            return
+        self._advance_channel(channel, "close_ok_sent")
+        if self.state == "open":
             self._method(channel, commands.Channel.CloseOk())
 
     def close_channel(self, channel: int, reply_code: int, reply_text: str, class_id: int = 0,
                       method_id: int = 0) -> None:
-        if channel in self._server_closing or channel not in self._channels:
+        """Server-initiated channel.close; frames on the channel are dropped until the client's close-ok."""
+        if self.state != "open" or self._channels.get(channel) not in (CH_OPEN, CH_OPENING):
             return
-        self._server_closing.add(channel)
+        self._advance_channel(channel, "server_close")
         self._assembly.pop(channel, None)
-        self._method(channel, commands.Channel.Close(reply_code=reply_code, reply_text=reply_text[:255],
+        self._method(channel, commands.Channel.Close(reply_code=reply_code, reply_text=_clip(reply_text),
                                                      class_id=class_id, method_id=method_id))
 
     def close(self, reply_code: int, reply_text: str, class_id: int = 0, method_id: int = 0) -> None:
+        """Server-initiated connection.close; afterwards only close/close-ok from the client count."""
         if self.state in ("closing", "closed"):
             return
         if self.state == "awaiting_header":
-            self.state = "closed"
+            self._advance("drop")
             return
-        self._method(0, commands.Connection.Close(reply_code=reply_code, reply_text=reply_text[:255],
+        self._method(0, commands.Connection.Close(reply_code=reply_code, reply_text=_clip(reply_text),
                                                   class_id=class_id, method_id=method_id))
-        self.state = "closing"
+        self._advance("close_sent")
+        self._assembly.clear()
 
     def send_raw(self, data: bytes) -> None:
-        self._out.append(data)
+        """Pre-encoded frames from a channel or queue process (dropped once the connection is closing)."""
+        if self.state == "open" and data:
+            self._out.append(data)
+            self.frames_out += frames.count_frames(data)
 
-    def send_deliver(self, channel, consumer_tag, delivery_tag, redelivered, exchange, routing_key,
-                     props_raw, body) -> None:
+    def send_deliver(self, channel: int, consumer_tag: str, delivery_tag: int, redelivered: bool, exchange: str,
+                     routing_key: str, props_raw: bytes, body: bytes) -> None:
+        """One basic.deliver with its content, split to the negotiated frame_max."""
+        if self.state != "open" or self._channels.get(channel) not in (CH_OPEN, CH_OPENING):
+            return
         self._out.append(frames.encode_deliver(channel, consumer_tag, delivery_tag, redelivered, exchange,
                                                routing_key, props_raw, body, self.frame_max))
+        chunk = self.frame_max - frames.FRAME_OVERHEAD_BYTES if self.frame_max else len(body) or 1
+        self.frames_out += 2 + -(-len(body) // chunk)
 
     def send_blocked(self, reason: str) -> bool:
-        if not self.capabilities.get("connection.blocked") or self.state != "open":
+        """connection.blocked, only to a client that announced the capability; True if queued."""
+        if self.state != "open" or self.capabilities.get("connection.blocked") is not True:
             return False
-        self._method(0, commands.Connection.Blocked(reason=reason))
+        self._method(0, commands.Connection.Blocked(reason=_clip(reason)))
         return True
 
     def send_unblocked(self) -> bool:
-        if not self.capabilities.get("connection.blocked") or self.state != "open":
+        """connection.unblocked, only to a client that announced the capability; True if queued."""
+        if self.state != "open" or self.capabilities.get("connection.blocked") is not True:
             return False
         self._method(0, commands.Connection.Unblocked())
         return True
 
-    # -- heartbeats --------------------------------------------------------------------------------
-    def note_sent(self, now_ns: int) -> None:
-        self._last_out_ns = now_ns
+    # -- heartbeats -------------------------------------------------------------------------------------------
+    def tick(self, now_ns: int) -> HeartbeatTimeout | None:
+        """Queue a heartbeat if we have been quiet for half an interval; report a silent client.
 
-    def tick(self, now_ns: int):
+        The client times out once nothing has arrived for more than
+        ``HEARTBEAT_MISSES_ALLOWED`` intervals, unless the monitor is paused
+        (it is while the reader is blocked and not reading). Heartbeats run
+        from tune-ok until the connection starts closing.
+        """
+        if self._fresh_bytes:
+            self._fresh_bytes = False
+            self._last_in_ns = now_ns
         hb = self.heartbeat_s
-        if not hb or self.state != "open":
+        if not hb or self.state not in ("opening", "open"):
             return None
-        interval = hb * 1_000_000_000
-        if now_ns - self._last_out_ns >= interval // 2:
-            self._send(frames.encode_heartbeat())
+        interval_ns = hb * NS_PER_S
+        if now_ns - self._last_out_ns >= interval_ns // 2:
+            self._out.append(frames.encode_heartbeat())
+            self.frames_out += 1
+            self.heartbeats_sent += 1
             self._last_out_ns = now_ns
-        if not self._monitor_paused and now_ns - self._last_in_ns > 2 * interval:
-            self.state = "closed"
+        if not self._monitor_paused and now_ns - self._last_in_ns > HEARTBEAT_MISSES_ALLOWED * interval_ns:
+            self._advance("drop")
             return HeartbeatTimeout()
         return None
 
     def pause_heartbeat_monitor(self) -> None:
+        """Stop timing out a silent client (RabbitMQ does this while the connection is blocked)."""
         self._monitor_paused = True
 
     def resume_heartbeat_monitor(self, now_ns: int) -> None:
+        """Time the client again, counting from ``now_ns``."""
         self._monitor_paused = False
         self._last_in_ns = now_ns
 
     def statistics(self) -> ConnectionStatistics:
-        return ConnectionStatistics(self.state, self.bytes_in, self.bytes_out, self.frames_in, self.publishes,
-                                    len(self._channels), self.buffered_bytes())
+        return ConnectionStatistics(self.state, self.bytes_in, self.bytes_out, self.frames_in, self.frames_out,
+                                    self.publishes, self.methods, len(self._channels), self.buffered_bytes(),
+                                    self.heartbeats_sent)
 
 
-def _credentials(mechanism: str, response) -> tuple[str | None, str | None]:
+def _negotiated(field: str, client: int, server: int, minimum: int) -> int:
+    """The value a tune-ok settles on: the client may lower the server's limit, never raise it.
+
+    0 from the client means it sets no limit of its own, so the server's
+    applies (RabbitMQ itself refuses 0 when it has a limit); 0 on both sides
+    means no limit. A value under ``minimum`` or over the server's is 530
+    NOT_ALLOWED with RabbitMQ's wording.
+    """
+    if client == 0:
+        return server
+    if client < minimum:
+        explanation = f"negotiated {field} = {client} is lower than the minimum allowed value ({minimum})"
+    elif server != 0 and client > server:
+        explanation = f"negotiated {field} = {client} is higher than the maximum allowed value ({server})"
+    else:
+        return client
+    raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(E.NOT_ALLOWED, explanation), *frames.CONNECTION_TUNE)
+
+
+def _credentials(mechanism: str, response) -> tuple[str, str]:
+    """``(user, password)`` from a start-ok response; a malformed response is 502 SYNTAX_ERROR."""
     raw = response.encode("utf-8") if isinstance(response, str) else bytes(response or b"")
     if mechanism == "PLAIN":
         parts = raw.split(b"\x00")
-        if len(parts) != 3:
-            return None, None
-        return parts[1].decode("utf-8", "replace"), parts[2].decode("utf-8", "replace")
-    if mechanism == "AMQPLAIN":
-        from pamqp import decode
+        if len(parts) == 3:
+            try:
+                return parts[1].decode("utf-8"), parts[2].decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        explanation = f"response {frames.octets(raw, 0, len(raw))} invalid"
+    else:
         try:
-            _, table = decode.field_table(_U32(len(raw)) + raw)
-        except Exception:
-            return None, None
-        return table.get("LOGIN"), table.get("PASSWORD")
-    return None, None
-
-
-def _U32(n: int) -> bytes:
-    return n.to_bytes(4, "big")
+            _, table = pamqp_decode.field_table(len(raw).to_bytes(4, "big") + raw)
+        except ValueError:
+            table = {}
+        user, password = table.get("LOGIN"), table.get("PASSWORD")
+        if isinstance(user, str) and isinstance(password, str):
+            return user, password
+        explanation = "AMQPLAIN auth info is missing LOGIN or PASSWORD field"
+    raise ConnectionLevelError(E.SYNTAX_ERROR, reply_text(E.SYNTAX_ERROR, explanation), *frames.CONNECTION_START_OK)

@@ -284,10 +284,9 @@ def check_properties(props_raw) -> int | None:
     return mode
 
 
-def encode_content(channel: int, props_raw, body, frame_max: int) -> bytes:
-    """Header frame (class 60, weight 0, body size) and body frames of at most ``frame_max`` bytes each."""
-    parts = [_HEADER_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, len(body)), props_raw, _END]
+def _content_parts(channel: int, props_raw, body, frame_max: int) -> list:
     size = len(body)
+    parts = [_HEADER_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, size), props_raw, _END]
     chunk = frame_max - FRAME_OVERHEAD_BYTES if frame_max else size
     if chunk >= size:
         if size:
@@ -296,7 +295,12 @@ def encode_content(channel: int, props_raw, body, frame_max: int) -> bytes:
         for start in range(0, size, chunk):
             piece = body[start:start + chunk]
             parts += (_FRAME_HEAD.pack(3, channel, len(piece)), piece, _END)
-    return b"".join(parts)
+    return parts
+
+
+def encode_content(channel: int, props_raw, body, frame_max: int) -> bytes:
+    """Header frame (class 60, weight 0, body size) and body frames of at most ``frame_max`` bytes each."""
+    return b"".join(_content_parts(channel, props_raw, body, frame_max))
 
 
 def decode_content_header(buf, payload_start: int, payload_end: int) -> tuple[int, bytes]:
@@ -310,11 +314,23 @@ def decode_content_header(buf, payload_start: int, payload_end: int) -> tuple[in
 
 # -- the per-message methods -------------------------------------------------------------------
 
+_SHORTSTR_CACHE: dict = {}
+_SHORTSTR_CACHE_ENTRIES = 4096
+
+
 def _sstr(s) -> bytes:
-    b = s.encode("utf-8") if isinstance(s, str) else bytes(s)
-    if len(b) > 255:
-        raise ValueError(f"short string of {len(b)} bytes is over 255")
-    return bytes((len(b),)) + b
+    """A shortstr (length octet + UTF-8); names repeat from message to message, so they are cached."""
+    encoded = _SHORTSTR_CACHE.get(s) if isinstance(s, (str, bytes)) else None
+    if encoded is None:
+        raw = s.encode("utf-8") if isinstance(s, str) else bytes(s)
+        if len(raw) > 255:
+            raise ValueError(f"short string of {len(raw)} bytes is over 255")
+        encoded = bytes((len(raw),)) + raw
+        if isinstance(s, (str, bytes)):
+            if len(_SHORTSTR_CACHE) >= _SHORTSTR_CACHE_ENTRIES:
+                _SHORTSTR_CACHE.clear()
+            _SHORTSTR_CACHE[s] = encoded
+    return encoded
 
 
 def _cannot_decode(name: str, key: tuple[int, int], buf, start: int, end: int) -> FrameError:
@@ -324,9 +340,11 @@ def _cannot_decode(name: str, key: tuple[int, int], buf, start: int, end: int) -
 def encode_publish(channel: int, exchange, routing_key, props_raw, body, frame_max: int,
                    mandatory: bool = False) -> bytes:
     """basic.publish method, header and body frames: one whole message as a client sends it."""
-    args = _sstr(exchange) + _sstr(routing_key) + (b"\x01" if mandatory else b"\x00")
-    method = _PUBLISH_HEAD.pack(1, channel, 6 + len(args), 60, 40, 0) + args + _END
-    return method + encode_content(channel, props_raw, body, frame_max)
+    ex, rk = _sstr(exchange), _sstr(routing_key)
+    parts = [_PUBLISH_HEAD.pack(1, channel, 7 + len(ex) + len(rk), 60, 40, 0), ex, rk,
+             b"\x01\xce" if mandatory else b"\x00\xce"]
+    parts += _content_parts(channel, props_raw, body, frame_max)
+    return b"".join(parts)
 
 
 def decode_publish_raw(buf, payload_start: int, payload_end: int | None = None) -> tuple[bytes, bytes, int]:
@@ -360,10 +378,11 @@ def decode_publish(buf, payload_start: int, payload_end: int) -> tuple[str, str,
 def encode_deliver(channel: int, consumer_tag, delivery_tag: int, redelivered: bool, exchange, routing_key,
                    props_raw, body, frame_max: int) -> bytes:
     """basic.deliver method, header and body frames: one whole message as a consumer receives it."""
-    args = b"".join((_sstr(consumer_tag), _U64.pack(delivery_tag), b"\x01" if redelivered else b"\x00",
-                     _sstr(exchange), _sstr(routing_key)))
-    method = _DELIVER_HEAD.pack(1, channel, 4 + len(args), 60, 60) + args + _END
-    return method + encode_content(channel, props_raw, body, frame_max)
+    ct, ex, rk = _sstr(consumer_tag), _sstr(exchange), _sstr(routing_key)
+    parts = [_DELIVER_HEAD.pack(1, channel, 13 + len(ct) + len(ex) + len(rk), 60, 60), ct,
+             _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0), ex, rk, _END]
+    parts += _content_parts(channel, props_raw, body, frame_max)
+    return b"".join(parts)
 
 
 def decode_deliver(buf, payload_start: int, payload_end: int) -> tuple[str, int, bool, str, str]:
