@@ -1,24 +1,43 @@
-"""The per-message fast paths are byte-identical to pamqp, and partial input is never an error."""
+"""The frame codec: fast paths byte-identical to pamqp, decoders that read pamqp's frames, and
+partial input that is never an error."""
 
 from __future__ import annotations
 
 import datetime
+import struct
 
 import pytest
-from pamqp import body as pbody, commands, frame, header
+from hypothesis import given, settings, strategies as st
+from pamqp import body as pbody, commands, frame, header, heartbeat
 
 from pipeline.amqp import frames
-from pipeline.amqp.errors import FrameError
+from pipeline.amqp.errors import ConnectionLevelError, FrameError
 
-PROPS = [
-    commands.Basic.Properties(),
-    commands.Basic.Properties(delivery_mode=2),
-    commands.Basic.Properties(content_type="application/json", content_encoding="gzip",
-                              headers={"x": 1, "y": "z", "nested": {"a": [1, 2]}}, delivery_mode=1,
-                              priority=3, correlation_id="c", reply_to="r", expiration="60000",
-                              message_id="m", timestamp=datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
-                              message_type="t", user_id="guest", app_id="app"),
-]
+UTC = datetime.timezone.utc
+
+PROPS = {
+    "none": commands.Basic.Properties(),
+    "persistent": commands.Basic.Properties(delivery_mode=2),
+    "transient+type": commands.Basic.Properties(content_type="text/plain", delivery_mode=1),
+    "every property": commands.Basic.Properties(
+        content_type="application/json", content_encoding="gzip",
+        headers={"x": 1, "y": "z", "big": 2 ** 40, "neg": -5, "flag": True, "nested": {"a": [1, "b"]},
+                 "clé": "valeur ☃"},
+        delivery_mode=2, priority=3, correlation_id="c-1", reply_to="amq.rabbitmq.reply-to",
+        expiration="60000", message_id="m-1", timestamp=datetime.datetime(2026, 1, 1, tzinfo=UTC),
+        message_type="t", user_id="guest", app_id="creditflow"),
+    "headers before delivery mode": commands.Basic.Properties(headers={"k" * 50: "v" * 300}, delivery_mode=2),
+    "no delivery mode": commands.Basic.Properties(content_type="a", priority=9, app_id="x"),
+}
+
+FRAME_MAX = 4096
+BODIES = {
+    "empty": b"",
+    "small": b"hello",
+    "exactly one frame": b"a" * (FRAME_MAX - 8),
+    "one byte over a frame": b"b" * (FRAME_MAX - 7),
+    "many frames": bytes(range(256)) * 50,
+}
 
 
 def pamqp_content(channel, props, body, frame_max):
@@ -29,62 +48,233 @@ def pamqp_content(channel, props, body, frame_max):
     return out
 
 
-@pytest.mark.parametrize("props", PROPS)
-@pytest.mark.parametrize("body", [b"", b"hello", bytes(range(256)) * 40])
-def test_publish_and_deliver_match_pamqp(props, body):
+def split_frames(data) -> list[tuple[int, int, bytes]]:
+    out, pos = [], 0
+    while (found := frames.next_frame(data, pos)) is not None:
+        ftype, ch, ps, pe = found
+        out.append((ftype, ch, bytes(data[ps:pe])))
+        pos = pe + 1
+    assert pos == len(data), "whole frames only"
+    return out
+
+
+# -- the fast paths against pamqp ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("props", PROPS.values(), ids=PROPS.keys())
+@pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
+def test_publish_is_byte_identical_to_pamqp(props, body):
     raw = frames.properties_raw(props)
-    fm = 4096
-    fast = frames.encode_publish(5, "amq.direct", "clé", raw, body, fm, mandatory=True)
-    ref = frame.marshal(commands.Basic.Publish(exchange="amq.direct", routing_key="clé", mandatory=True), 5)
-    assert fast == ref + pamqp_content(5, props, body, fm)
-    fast = frames.encode_deliver(2, "ctag", 99, True, "", "q", raw, body, fm)
-    ref = frame.marshal(commands.Basic.Deliver(consumer_tag="ctag", delivery_tag=99, redelivered=True,
-                                               exchange="", routing_key="q"), 2)
-    assert fast == ref + pamqp_content(2, props, body, fm)
-    assert frames.delivery_mode_of(raw) == props.delivery_mode
+    for mandatory in (False, True):
+        fast = frames.encode_publish(5, "amq.direct", "clé.☃", raw, body, FRAME_MAX, mandatory=mandatory)
+        ref = frame.marshal(commands.Basic.Publish(exchange="amq.direct", routing_key="clé.☃",
+                                                   mandatory=mandatory), 5)
+        assert fast == ref + pamqp_content(5, props, body, FRAME_MAX)
 
 
-def test_ack_and_decoders_round_trip():
-    data = frames.encode_basic_ack(3, 12345, True)
-    assert data == frame.marshal(commands.Basic.Ack(12345, True), 3)
-    ftype, ch, ps, pe = frames.next_frame(data)
+@pytest.mark.parametrize("props", PROPS.values(), ids=PROPS.keys())
+@pytest.mark.parametrize("body", BODIES.values(), ids=BODIES.keys())
+def test_deliver_and_content_are_byte_identical_to_pamqp(props, body):
+    raw = frames.properties_raw(props)
+    for redelivered in (False, True):
+        fast = frames.encode_deliver(2, "amq.ctag-Ü", 2 ** 62 + 7, redelivered, "", "q", raw, body, FRAME_MAX)
+        ref = frame.marshal(commands.Basic.Deliver(consumer_tag="amq.ctag-Ü", delivery_tag=2 ** 62 + 7,
+                                                   redelivered=redelivered, exchange="", routing_key="q"), 2)
+        assert fast == ref + pamqp_content(2, props, body, FRAME_MAX)
+    assert frames.encode_content(9, raw, body, FRAME_MAX) == pamqp_content(9, props, body, FRAME_MAX)
+
+
+@pytest.mark.parametrize("multiple", [False, True])
+def test_basic_ack_is_byte_identical_to_pamqp(multiple):
+    assert frames.encode_basic_ack(3, 12345, multiple) == frame.marshal(commands.Basic.Ack(12345, multiple), 3)
+
+
+def test_heartbeat_and_generic_methods_are_pamqps():
+    assert frames.encode_heartbeat() == frame.marshal(heartbeat.Heartbeat(), 0)
+    qos = commands.Basic.Qos(prefetch_count=10)
+    assert frames.encode_method(4, qos) == frame.marshal(qos, 4)
+
+
+def test_a_body_is_never_split_when_frame_max_is_unlimited():
+    data = frames.encode_content(1, b"\x00\x00", b"z" * 300_000, 0)
+    kinds = [f[0] for f in split_frames(data)]
+    assert kinds == [frames.FrameType.HEADER, frames.FrameType.BODY]
+
+
+@settings(max_examples=150, deadline=None)
+@given(exchange=st.text(alphabet="abcXYZ019-_.:@#,/+ ", max_size=60), routing_key=st.text(max_size=60), body=st.binary(max_size=9000),
+       frame_max=st.sampled_from([4096, 5000, 131072]), mandatory=st.booleans(),
+       mode=st.sampled_from([None, 1, 2]), ctype=st.one_of(st.none(), st.text(max_size=20)))
+def test_any_publish_matches_pamqp_and_decodes_back(exchange, routing_key, body, frame_max, mandatory, mode, ctype):
+    props = commands.Basic.Properties(content_type=ctype, delivery_mode=mode)
+    raw = frames.properties_raw(props)
+    data = frames.encode_publish(1, exchange, routing_key, raw, body, frame_max, mandatory)
+    assert data == (frame.marshal(commands.Basic.Publish(exchange=exchange, routing_key=routing_key,
+                                                         mandatory=mandatory), 1)
+                    + pamqp_content(1, props, body, frame_max))
+    method, head, *bodies = split_frames(data)
+    assert frames.decode_publish(method[2], 0, len(method[2])) == (exchange, routing_key, mandatory)
+    assert frames.decode_content_header(head[2], 0, len(head[2])) == (len(body), raw)
+    assert b"".join(b[2] for b in bodies) == body
+    assert all(len(b[2]) <= frame_max - 8 for b in bodies)
+    assert frames.delivery_mode_of(raw) == frames.check_properties(raw) == mode
+
+
+# -- decoding what pamqp made ---------------------------------------------------------------------------
+
+def payload(data: bytes) -> bytes:
+    (only,) = split_frames(data)
+    return only[2]
+
+
+def test_decoders_read_pamqp_frames():
+    p = payload(frame.marshal(commands.Basic.Publish(exchange="ex", routing_key="rk ☃", mandatory=True), 1))
+    assert frames.decode_publish(p, 0, len(p)) == ("ex", "rk ☃", True)
+    assert frames.decode_publish_raw(p, 0, len(p)) == (b"ex", "rk ☃".encode(), 1)
+    p = payload(frame.marshal(commands.Basic.Deliver(consumer_tag="ctag", delivery_tag=7, redelivered=True,
+                                                     exchange="ex", routing_key="rk"), 1))
+    assert frames.decode_deliver(p, 0, len(p)) == ("ctag", 7, True, "ex", "rk")
+    p = payload(frame.marshal(commands.Basic.Ack(99, True), 1))
+    assert frames.decode_basic_ack(p, 0, len(p)) == (99, True)
+    props = PROPS["every property"]
+    p = payload(frame.marshal(header.ContentHeader(0, 123456, props), 1))
+    size, raw = frames.decode_content_header(p, 0, len(p))
+    assert size == 123456 and raw == frames.properties_raw(props)
+    assert frames.check_properties(raw) == 2
+
+
+def test_decoders_work_in_place_inside_a_larger_buffer():
+    data = bytearray(b"junk" + frames.encode_publish(3, "e", "r", b"\x00\x00", b"", 4096, True) + b"more")
+    ftype, ch, ps, pe = frames.next_frame(data, 4)
     assert (ftype, ch) == (1, 3)
-    assert frames.decode_basic_ack(data, ps, pe) == (12345, True)
-    pub = frames.encode_publish(1, "ex", "rk", b"\x00\x00", b"", 131072, mandatory=True)
-    _, _, ps, pe = frames.next_frame(pub)
-    assert frames.decode_publish(pub, ps, pe) == ("ex", "rk", True)
-    dlv = frames.encode_deliver(1, "c", 7, False, "ex", "rk", b"\x00\x00", b"", 131072)
-    _, _, ps, pe = frames.next_frame(dlv)
-    assert frames.decode_deliver(dlv, ps, pe) == ("c", 7, False, "ex", "rk")
+    assert frames.method_id(data, ps) == frames.BASIC_PUBLISH
+    assert frames.decode_publish(data, ps, pe) == ("e", "r", True)
+
+
+METHODS = [
+    commands.Queue.Declare(queue="orders", durable=True, arguments={"x-max-length": 10, "x-queue-type": "classic"}),
+    commands.Exchange.Declare(exchange="logs", exchange_type="topic", durable=True),
+    commands.Queue.Bind(queue="orders", exchange="logs", routing_key="*.error"),
+    commands.Basic.Consume(queue="orders", consumer_tag="c1", no_ack=False, exclusive=True),
+    commands.Basic.Qos(prefetch_count=100, global_=True),
+    commands.Basic.Nack(delivery_tag=5, multiple=True, requeue=False),
+    commands.Basic.Reject(delivery_tag=6, requeue=True),
+    commands.Basic.Ack(delivery_tag=7, multiple=False),
+    commands.Basic.Get(queue="orders", no_ack=True),
+    commands.Confirm.Select(),
+    commands.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0),
+    commands.Connection.StartOk(client_properties={"capabilities": {"connection.blocked": True}},
+                                mechanism="PLAIN", response="\0guest\0guest", locale="en_US"),
+    commands.Connection.TuneOk(channel_max=10, frame_max=4096, heartbeat=5),
+]
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: m.name)
+def test_decode_method_round_trips_pamqp(method):
+    p = payload(frames.encode_method(1, method))
+    decoded = frames.decode_method(p, 0, len(p))
+    assert type(decoded) is type(method)
+    assert {k: getattr(decoded, k) for k in method.__slots__} == {k: getattr(method, k) for k in method.__slots__}
+
+
+def test_method_names_read_like_rabbitmq_logs():
+    assert frames.method_name(frames.BASIC_PUBLISH) == "basic.publish"
+    assert frames.method_name(frames.CONNECTION_TUNE_OK) == "connection.tune-ok"
+    assert frames.method_name((60, 99)) == "unknown 60/99"
+
+
+# -- malformed input ---------------------------------------------------------------------------------------
+
+def test_unknown_methods_are_not_implemented():
+    p = b"\x00\x3c\x00\xff"
+    with pytest.raises(ConnectionLevelError, match="NOT_IMPLEMENTED - unknown method 60/255") as exc:
+        frames.decode_method(p, 0, len(p))
+    assert (exc.value.reply_code, exc.value.class_id, exc.value.method_id) == (540, 60, 255)
+
+
+@pytest.mark.parametrize("mangle", ["truncate", "extend", "bad utf-8"])
+def test_undecodable_arguments_are_frame_errors(mangle):
+    p = payload(frames.encode_method(1, commands.Queue.Declare(queue="orders", durable=True)))
+    if mangle == "truncate":
+        p = p[:-3]
+    elif mangle == "extend":
+        p = p + b"\x00"
+    else:
+        p = p[:7] + b"\xff\xfe" + p[9:]     # inside the queue name
+    with pytest.raises(FrameError, match="FRAME_ERROR - cannot decode queue.declare") as exc:
+        frames.decode_method(p, 0, len(p))
+    assert (exc.value.reply_code, exc.value.class_id, exc.value.method_id) == (501, 50, 10)
+
+
+def test_a_method_frame_too_short_for_its_ids_is_an_unknown_frame():
+    with pytest.raises(FrameError, match="unknown_frame"):
+        frames.decode_method(b"\x00\x3c", 0, 2)
+
+
+@pytest.mark.parametrize("cut", [1, 3, 8])
+def test_truncated_per_message_methods_are_frame_errors(cut):
+    p = payload(frame.marshal(commands.Basic.Publish(exchange="ex", routing_key="rk"), 1))
+    with pytest.raises(FrameError, match="cannot decode basic.publish"):
+        frames.decode_publish(p, 0, len(p) - cut)
+    p = payload(frame.marshal(commands.Basic.Deliver(consumer_tag="c", delivery_tag=1, exchange="e",
+                                                     routing_key="r"), 1))
+    with pytest.raises(FrameError, match="cannot decode basic.deliver"):
+        frames.decode_deliver(p, 0, len(p) - cut)
+    p = payload(frames.encode_basic_ack(1, 5))
+    with pytest.raises(FrameError, match="cannot decode basic.ack"):
+        frames.decode_basic_ack(p, 0, len(p) - cut)
+
+
+def test_property_lists_must_be_exactly_as_long_as_their_flags_say():
+    raw = frames.properties_raw(PROPS["every property"])
+    for cut in range(1, len(raw) - 2):
+        with pytest.raises(FrameError, match="cannot decode content properties"):
+            frames.check_properties(raw[:-cut])
+    with pytest.raises(FrameError):
+        frames.check_properties(raw + b"\x00")
+    assert frames.check_properties(b"\x00\x00") is None
+    assert frames.check_properties(b"\x10\x00\x02") == 2
+
+
+# -- finding frames in a byte stream -----------------------------------------------------------------------
+
+STREAM = (frames.encode_publish(1, "", "q", frames.properties_raw(PROPS["every property"]), b"x" * 9000, 4096)
+          + frames.encode_heartbeat() + frames.encode_basic_ack(1, 3)
+          + frames.encode_publish(2, "", "q", b"\x00\x00", b"", 4096))
 
 
 def test_truncation_at_every_offset_is_incomplete_never_an_error():
-    data = frames.encode_publish(1, "", "q", frames.properties_raw(delivery_mode=2), b"x" * 300, 131072)
-    for cut in range(len(data)):
-        pos = 0
-        while True:
-            found = frames.next_frame(data[:cut], pos)
-            if found is None:
-                break
-            pos = found[3] + 1
+    whole = split_frames(STREAM)
+    for cut in range(len(STREAM)):
+        prefix = STREAM[:cut]
+        seen, pos = [], 0
+        while (found := frames.next_frame(prefix, pos, 4096)) is not None:
+            ftype, ch, ps, pe = found
+            seen.append((ftype, ch, prefix[ps:pe]))
+            pos = pe + 1
+        assert seen == whole[:len(seen)], "whole frames only, in order"
         assert pos <= cut
+        assert cut - pos < 4096, "a complete frame was left unparsed"
 
 
-def test_bad_frame_end_and_oversized_frames_are_frame_errors():
+def test_counting_frames_stops_at_a_partial_one():
+    assert frames.count_frames(STREAM) == len(split_frames(STREAM))
+    assert frames.count_frames(STREAM[:-1]) == len(split_frames(STREAM)) - 1
+    assert frames.count_frames(b"") == 0
+
+
+def test_a_bad_frame_end_is_a_frame_error():
     good = frames.encode_basic_ack(1, 1)
-    with pytest.raises(FrameError, match="frame end") as exc:
+    with pytest.raises(FrameError, match=r"FRAME_ERROR - type 1, all octets = <<0,60,0,80,.*invalid_frame_end_marker,0"):
         frames.next_frame(good[:-1] + b"\x00")
+    assert frames.next_frame(good[:-1]) is None, "the end octet has not arrived yet"
+
+
+def test_an_oversized_frame_is_refused_as_soon_as_its_header_arrives():
+    big = struct.pack(">BHI", 3, 1, 5000)
+    with pytest.raises(FrameError, match=r"frame_too_large,5000,4088") as exc:
+        frames.next_frame(big, 0, frame_max=4096)
     assert exc.value.reply_code == 501
-    big = frames.encode_publish(1, "", "q", b"\x00\x00", b"x" * 10000, 131072)
-    with pytest.raises(FrameError, match="frame_too_large"):
-        pos = 0
-        while True:
-            found = frames.next_frame(big, pos, frame_max=4096)
-            pos = found[3] + 1
-
-
-def test_unknown_methods_are_not_implemented():
-    payload = b"\x00\x3c\x00\xff"
-    with pytest.raises(Exception) as exc:
-        frames.decode_method(payload, 0, len(payload))
-    assert exc.value.reply_code == 540
+    assert frames.next_frame(big, 0, frame_max=0) is None, "0 is no limit"
+    assert frames.next_frame(struct.pack(">BHI", 3, 1, 4096), 0, 4096, slack_bytes=8) is None
+    with pytest.raises(FrameError):
+        frames.next_frame(struct.pack(">BHI", 3, 1, 4097), 0, 4096, slack_bytes=8)
