@@ -258,8 +258,8 @@ def check_properties(props_raw) -> int | None:
     (501) for a property list that is truncated or has bytes left over.
     """
     size = len(props_raw)
-    if size == 2:
-        return None
+    if size == 2 and props_raw[0] == 0 and props_raw[1] == 0:
+        return None                              # no properties
     if size == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
         return props_raw[2]                      # delivery mode only: the common case
     try:
