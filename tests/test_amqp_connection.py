@@ -239,6 +239,23 @@ def test_publish_fields_and_multi_frame_bodies_arriving_byte_by_byte():
     assert got[0].exchange_b == b"amq.topic"
 
 
+@pytest.mark.timeout(20)
+def test_a_huge_frame_arriving_in_small_reads_is_joined_once():
+    conn = start(frame_max=0, max_message_bytes=64 * 1024 * 1024)
+    conn.receive_data(m(0, commands.Connection.TuneOk(frame_max=0)) + m(0, commands.Connection.Open())
+                      + m(1, commands.Channel.Open()))
+    assert [type(e) for e in events(conn)] == [Opened, ChannelOpen] and conn.frame_max == 0, "no frame limit"
+    body = bytes(range(256)) * (64 * 1024)                      # 16 MiB in one body frame
+    data = frames.encode_publish(1, "", "q", b"\x00\x00", body, 0)
+    started = time.perf_counter()
+    got = []
+    for i in range(0, len(data), 8192):
+        conn.receive_data(data[i:i + 8192])
+        got += events(conn)
+    assert [len(e.body) for e in got] == [len(body)] and got[0].body == body
+    assert time.perf_counter() - started < 5, "quadratic copying"
+
+
 def test_content_may_interleave_across_channels():
     conn = opened(channels=(1, 2))
     one = frames.encode_publish(1, "", "first", b"\x00\x00", b"1", 131072)
@@ -641,3 +658,29 @@ def test_pika_connects_publishes_and_closes(one_connection_server):
         "amq.direct", "route ☃", b"hello", 2)
     assert blocked == ["low on memory"]
     assert server.conn.state == "closed" and server.conn.heartbeat_s == 60
+
+
+# -- speed ---------------------------------------------------------------------------------------------------
+
+def test_parsing_and_delivery_encoding_speed(capsys):
+    """10,000 pre-encoded 100-byte publishes parsed, and 10,000 deliveries encoded; best of three."""
+    one = frames.encode_publish(1, "", "perf-test", PERSISTENT, b"x" * 100, 131072)
+    data = one * 10_000
+    parse_best = deliver_best = 0.0
+    for _ in range(3):
+        conn = opened()
+        conn.receive_data(data)
+        started = time.perf_counter()
+        n = 0
+        while conn.next_event(0) is not None:
+            n += 1
+        parse_best = max(parse_best, n / (time.perf_counter() - started))
+        assert n == 10_000
+        started = time.perf_counter()
+        for tag in range(1, 10_001):
+            frames.encode_deliver(1, "amq.ctag-1", tag, False, "", "perf-test", PERSISTENT, b"x" * 100, 131072)
+        deliver_best = max(deliver_best, 10_000 / (time.perf_counter() - started))
+    with capsys.disabled():
+        print(f"\n  parse {parse_best:,.0f} publishes/s; encode_deliver {deliver_best:,.0f}/s")
+    # far below what a laptop does: a guard against gross regressions, not a benchmark
+    assert parse_best > 50_000 and deliver_best > 50_000

@@ -236,11 +236,12 @@ _CLIENT_CHANNEL_METHODS = frozenset(_k(key) for key in (
     frames.BASIC_REJECT, frames.BASIC_RECOVER_ASYNC, frames.BASIC_RECOVER, frames.BASIC_NACK,
     frames.CONFIRM_SELECT, frames.TX_SELECT, frames.TX_COMMIT, frames.TX_ROLLBACK))
 
-_FRAME_HEAD = frames._FRAME_HEAD
-_PUBLISH_HEAD = frames._PUBLISH_HEAD
-_HEADER_HEAD = frames._HEADER_HEAD
+_FRAME_HEAD = frames.FRAME_HEAD
+_PUBLISH_HEAD = frames.PUBLISH_FRAME_HEAD
+_HEADER_HEAD = frames.HEADER_FRAME_HEAD
+_HEADER_PAYLOAD = frames.HEADER_PAYLOAD_HEAD
+_HEADER_MIN_BYTES = frames.HEADER_PAYLOAD_MIN_BYTES
 _CH_ACCEPTING = frozenset({"opening", "open"})
-_HEADER_PAYLOAD = frames._HEADER_PAYLOAD
 _new_publish = tuple.__new__
 
 
@@ -303,8 +304,11 @@ class ServerConnection:
         self.capabilities: dict = {}
         self.user: str | None = None
         self.vhost: str | None = None
-        self._buf = b""
+        self._buf = b""                     # received bytes; parsing has reached _pos
         self._pos = 0
+        self._chunks: list[bytes] = []      # received after _buf, not joined to it yet
+        self._chunk_bytes = 0
+        self._need_bytes = 0                # _buf must hold this much from _pos before parsing can go on
         self._out: list[bytes] = []
         self._eof = False
         self._desynced = False
@@ -324,17 +328,29 @@ class ServerConnection:
 
     # -- bytes in and out ------------------------------------------------------------------------
     def receive_data(self, data: bytes) -> None:
-        """Client bytes, as read from the socket; ``b""`` means the client closed its side."""
+        """Client bytes, as read from the socket; ``b""`` means the client closed its side.
+
+        Bytes that cannot complete the frame being waited for are only
+        collected, so a big frame arriving in many reads is joined once.
+        """
         if not data:
             self._eof = True
+            self._join()
             return
-        if self._pos:
-            self._buf = self._buf[self._pos:] + data
-            self._pos = 0
-        else:
-            self._buf += data
         self.bytes_in += len(data)
         self._fresh_bytes = True
+        self._chunks.append(data)
+        self._chunk_bytes += len(data)
+        if len(self._buf) - self._pos + self._chunk_bytes >= self._need_bytes:
+            self._join()
+
+    def _join(self) -> None:
+        if self._chunks:
+            self._buf = b"".join((self._buf[self._pos:], *self._chunks)) if self._pos or self._buf else (
+                b"".join(self._chunks))
+            self._pos = 0
+            self._chunks.clear()
+            self._chunk_bytes = 0
 
     def data_to_send(self) -> bytes:
         """Everything queued for the client since the last call (and forget it)."""
@@ -347,7 +363,7 @@ class ServerConnection:
 
     def buffered_bytes(self) -> int:
         """Received bytes not parsed yet."""
-        return len(self._buf) - self._pos
+        return len(self._buf) - self._pos + self._chunk_bytes
 
     def note_sent(self, now_ns: int) -> None:
         """The reader wrote to the socket at ``now_ns`` (any traffic postpones our next heartbeat)."""
@@ -414,6 +430,8 @@ class ServerConnection:
                 if self._eof:
                     leftover = " in the middle of a frame" if pos < len(buf) else ""
                     return self._drop(f"peer closed the connection{leftover}")
+                if self._wait_for_frame(buf, pos):
+                    continue
                 return None
             ftype, channel, ps, pe = found
             self._pos = pe + 1
@@ -427,11 +445,27 @@ class ServerConnection:
             if event is not None:
                 return event
 
+    def _wait_for_frame(self, buf: bytes, pos: int) -> bool:
+        """Note how many bytes the incomplete frame at ``pos`` needs; True if collected bytes complete it."""
+        have = len(buf) - pos
+        if have < frames.FRAME_HEADER_BYTES:
+            self._need_bytes = frames.FRAME_HEADER_BYTES
+        else:
+            self._need_bytes = frames.FRAME_OVERHEAD_BYTES + _FRAME_HEAD.unpack_from(buf, pos)[2]
+        if self._chunks and have + self._chunk_bytes >= self._need_bytes:
+            self._join()
+            return True
+        return False
+
     def _protocol_header(self) -> Event | None:
         """Check the 8-byte protocol header; None once it is good (or while it is incomplete)."""
+        self._join()
         buf = self._buf
         if len(buf) < len(frames.PROTOCOL_HEADER):
-            return self._drop("peer closed before sending the protocol header") if self._eof else None
+            if self._eof:
+                return self._drop("peer closed before sending the protocol header")
+            self._need_bytes = len(frames.PROTOCOL_HEADER)
+            return None
         header = bytes(buf[:8])
         self._pos = 8
         if header not in (frames.PROTOCOL_HEADER, b"AMQP\x01\x01\x00\x09"):   # 0-9 is served as 0-9-1
@@ -662,7 +696,7 @@ class ServerConnection:
             return None
         ftype, hch, hsize, cls, weight, body_size = _HEADER_HEAD.unpack_from(buf, hpos)
         hend = hpos + 7 + hsize
-        if (ftype != 2 or hch != channel or cls != 60 or weight != 0 or hsize < frames._HEADER_MIN_BYTES
+        if (ftype != 2 or hch != channel or cls != 60 or weight != 0 or hsize < _HEADER_MIN_BYTES
                 or hsize > self._payload_max or hend >= buf_size or buf[hend] != 0xCE
                 or body_size > self.max_message_bytes):
             return None
@@ -709,7 +743,7 @@ class ServerConnection:
             return None
         if asm.size >= 0:
             raise _unexpected("expected content body, got non content body frame instead", frames.BASIC_PUBLISH)
-        if pe - ps < frames._HEADER_MIN_BYTES:
+        if pe - ps < _HEADER_MIN_BYTES:
             raise _unknown_frame(2, buf, ps, pe)
         cls, weight, size = _HEADER_PAYLOAD.unpack_from(buf, ps)
         if weight != 0:

@@ -140,20 +140,21 @@ TX_ROLLBACK = (90, 30)
 
 MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024   # RabbitMQ's hard cap on a declared body size
 
-_FRAME_HEAD = struct.Struct(">BHI")
+# struct layouts; the public ones are also used by the connection's whole-publish fast path
+FRAME_HEAD = struct.Struct(">BHI")                  # type, channel, payload size
+PUBLISH_FRAME_HEAD = struct.Struct(">BHIHHH")       # frame head + class, method, reserved
+HEADER_FRAME_HEAD = struct.Struct(">BHIHHQ")        # frame head + class, weight, body size
+HEADER_PAYLOAD_HEAD = struct.Struct(">HHQ")         # class, weight, body size
+HEADER_PAYLOAD_MIN_BYTES = 14                       # class, weight, body size, property flags
 _METHOD_ID = struct.Struct(">HH")
-_PUBLISH_HEAD = struct.Struct(">BHIHHH")       # frame head + class, method, reserved
-_DELIVER_HEAD = struct.Struct(">BHIHH")        # frame head + class, method
-_HEADER_HEAD = struct.Struct(">BHIHHQ")        # frame head + class, weight, body size
-_HEADER_PAYLOAD = struct.Struct(">HHQ")        # class, weight, body size
-_ACK = struct.Struct(">BHIHHQBB")              # a whole basic.ack frame
-_TAG_BITS = struct.Struct(">QB")
-_U64 = struct.Struct(">Q")
+_DELIVER_HEAD = struct.Struct(">BHIHH")             # frame head + class, method
+_ACK = struct.Struct(">BHIHHQBB")                   # a whole basic.ack frame
+_TAG_BITS = struct.Struct(">QB")                    # delivery tag, bits
+_BODY_SIZE = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 _U16 = struct.Struct(">H")
 _END = b"\xce"
 _HEARTBEAT = bytes((8, 0, 0, 0, 0, 0, 0, FRAME_END))
-_HEADER_MIN_BYTES = 14                         # class, weight, body size, property flags
 
 # property flag bit -> how its value is laid out (in flag order)
 _SHORTSTR, _TABLE, _DELIVERY_MODE = -1, -2, -3      # anything >= 0 is a fixed size in bytes
@@ -177,7 +178,7 @@ def next_frame(buf, offset: int = 0, frame_max: int | None = None, *,
     """
     if len(buf) - offset < FRAME_HEADER_BYTES:
         return None
-    ftype, channel, size = _FRAME_HEAD.unpack_from(buf, offset)
+    ftype, channel, size = FRAME_HEAD.unpack_from(buf, offset)
     if frame_max and size > frame_max - FRAME_OVERHEAD_BYTES + slack_bytes:
         raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type {ftype}, all octets = <<>>: "
                                       f"{{frame_too_large,{size},{frame_max - FRAME_OVERHEAD_BYTES}}}")
@@ -286,15 +287,15 @@ def check_properties(props_raw) -> int | None:
 
 def _content_parts(channel: int, props_raw, body, frame_max: int) -> list:
     size = len(body)
-    parts = [_HEADER_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, size), props_raw, _END]
+    parts = [HEADER_FRAME_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, size), props_raw, _END]
     chunk = frame_max - FRAME_OVERHEAD_BYTES if frame_max else size
     if chunk >= size:
         if size:
-            parts += (_FRAME_HEAD.pack(3, channel, size), body, _END)
+            parts += (FRAME_HEAD.pack(3, channel, size), body, _END)
     else:
         for start in range(0, size, chunk):
             piece = body[start:start + chunk]
-            parts += (_FRAME_HEAD.pack(3, channel, len(piece)), piece, _END)
+            parts += (FRAME_HEAD.pack(3, channel, len(piece)), piece, _END)
     return parts
 
 
@@ -305,10 +306,10 @@ def encode_content(channel: int, props_raw, body, frame_max: int) -> bytes:
 
 def decode_content_header(buf, payload_start: int, payload_end: int) -> tuple[int, bytes]:
     """``(body_size, props_raw)`` of a content header payload."""
-    if payload_end - payload_start < _HEADER_MIN_BYTES:
+    if payload_end - payload_start < HEADER_PAYLOAD_MIN_BYTES:
         raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type 2, {octets(buf, payload_start, payload_end)}: "
                                       "unknown_frame")
-    (size,) = _U64.unpack_from(buf, payload_start + 4)
+    (size,) = _BODY_SIZE.unpack_from(buf, payload_start + 4)
     return size, bytes(buf[payload_start + 12:payload_end])
 
 
@@ -341,7 +342,7 @@ def encode_publish(channel: int, exchange, routing_key, props_raw, body, frame_m
                    mandatory: bool = False) -> bytes:
     """basic.publish method, header and body frames: one whole message as a client sends it."""
     ex, rk = _sstr(exchange), _sstr(routing_key)
-    parts = [_PUBLISH_HEAD.pack(1, channel, 7 + len(ex) + len(rk), 60, 40, 0), ex, rk,
+    parts = [PUBLISH_FRAME_HEAD.pack(1, channel, 7 + len(ex) + len(rk), 60, 40, 0), ex, rk,
              b"\x01\xce" if mandatory else b"\x00\xce"]
     parts += _content_parts(channel, props_raw, body, frame_max)
     return b"".join(parts)
