@@ -151,8 +151,9 @@ def measure_alarm_reaction(tries: int = 20, rate: int = 5000) -> dict:
             while not stop.is_set():
                 s.sendall(msg)
                 nxt += 1.0 / rate
-                if nxt > time.monotonic():
-                    time.sleep(nxt - time.monotonic())
+                delay = nxt - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
 
         threading.Thread(target=publish, daemon=True).start()
         ctl = CtlClient(data_dir)
