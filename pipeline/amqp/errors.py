@@ -10,7 +10,8 @@ frame). Reply texts follow RabbitMQ: ``"NAME - explanation"``.
 Which code RabbitMQ (``rabbit_reader``, ``rabbit_command_assembler``,
 ``rabbit_channel``) uses for what::
 
-    wrong protocol header        none: it writes its own header and closes
+    wrong protocol header        none: it writes a protocol header of its own and closes
+                                 (here always AMQP 0-9-1's)
     bad frame-end octet          501 FRAME_ERROR, then stops reading (out of sync)
     frame over frame_max         501 FRAME_ERROR, then stops reading (out of sync)
     unknown frame type           501 FRAME_ERROR (unknown_frame)
@@ -19,6 +20,7 @@ Which code RabbitMQ (``rabbit_reader``, ``rabbit_command_assembler``,
     body frame over body size    501 FRAME_ERROR
     heartbeat on a channel       505 UNEXPECTED_FRAME
     method on an unopened chan.  504 CHANNEL_ERROR "expected 'channel.open'"
+    content on an unopened chan. 505 UNEXPECTED_FRAME "expected method frame"
     second channel.open          504 CHANNEL_ERROR
     wrong method in conn. state  504 CHANNEL_ERROR "unexpected method in connection state"
     server-only method sent      503 COMMAND_INVALID "unimplemented method"
@@ -32,8 +34,11 @@ Which code RabbitMQ (``rabbit_reader``, ``rabbit_command_assembler``,
     message over max size        406 PRECONDITION_FAILED, channel-level
     publish with immediate=true  540 NOT_IMPLEMENTED
 
-For an unknown class or method id RabbitMQ's reader exits without a reply;
-this project answers 540 NOT_IMPLEMENTED instead so the client learns why.
+Two departures, both so the client learns why it is being closed: for an
+unknown class or method id RabbitMQ's reader exits without a reply, where this
+project answers 540 NOT_IMPLEMENTED; and before tune-ok RabbitMQ drops most
+offenders silently after a pause, where this project sends connection.close
+in every state (a refused login still follows the capability, as above).
 """
 
 from __future__ import annotations
