@@ -24,8 +24,8 @@ from pipeline.supervisor import BrokerConfig
 
 EXIT_PHASE_MISSED = 5
 MIB = 1024 * 1024
-PHASES = ("backlog growing", "watermark lowered", "alarm set", "publishing stopped", "backlog drained",
-          "alarm cleared", "publishing resumed")
+PHASES = ("backlog growing", "watermark lowered", "alarm set", "connection blocked", "publishing stopped",
+          "backlog drained", "alarm cleared", "publishing resumed")
 
 
 class Phases:
@@ -93,6 +93,9 @@ def run_demo(args) -> int:
             phases.see("alarm set", t, f"{edge.get('used', 0) / MIB:.1f} MiB used > "
                                        f"{edge.get('limit', 0) / MIB:.1f} MiB allowed")
         if "alarm set" in phases.at and "alarm cleared" not in phases.at:
+            if any(p.get("state") == "blocked" for n, p in status["processes"].items() if n.startswith("reader")):
+                phases.see("connection blocked", t, "the publishing reader stopped reading its socket; the "
+                                                    "publisher keeps writing until TCP's buffers are full")
             if rep.sent_rate == 0 and rep.received_rate > 0:
                 phases.see("publishing stopped", t, f"sent 0 msg/s, received {rep.received_rate:.0f} msg/s")
             if "publishing stopped" in phases.at and msgs * 2 < state["peak"]:

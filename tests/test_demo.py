@@ -23,8 +23,8 @@ def test_the_demo_sees_every_phase_in_order(tmp_path):
     assert proc.returncode == 0, out
     summary = json.loads((run_dir / "summary.json").read_text())
     at = summary["phases"]
-    order = ["watermark lowered", "alarm set", "publishing stopped", "backlog drained", "alarm cleared",
-             "publishing resumed"]
+    order = ["watermark lowered", "alarm set", "connection blocked", "publishing stopped", "backlog drained",
+             "alarm cleared", "publishing resumed"]
     assert [at[p] for p in order] == sorted(at[p] for p in order), at
     assert summary["lost"] == 0
     assert any(a["source"] == "memory" for a in summary["alarms"])
