@@ -17,7 +17,7 @@ disk for those it wrote.
 from __future__ import annotations
 
 import collections
-import os
+import hashlib
 import struct
 import time
 
@@ -52,7 +52,7 @@ class Queue(Stage):
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
                  exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
-                 frame_max: int = 131072):
+                 frame_max: int = 131072, run_id: str = ""):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.queue = queue
         self.queue_bytes = queue.encode()
@@ -62,7 +62,8 @@ class Queue(Stage):
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
         self.frame_max = frame_max
-        self.id_prefix = os.urandom(8)
+        self.run_id = run_id
+        self.id_prefixes: dict[str, bytes] = {}     # publishing channel -> 8-byte prefix of store ids
         self.next_id = 1
         self.messages: collections.deque = collections.deque()   # (msg_id, record, redelivered)
         self.unacked: dict[int, tuple] = {}                       # msg_id -> (record, consumer or (reader, channel), on_store)
@@ -124,7 +125,7 @@ class Queue(Stage):
         on_store = None
         if (flags & wire.PUB_PERSISTENT and self.durable and self.store_out is not None
                 and wire.content_body_len(record) >= QUEUE_INDEX_EMBED_MSGS_BELOW):
-            on_store = self.id_prefix + struct.pack("<Q", msg_id)
+            on_store = self.store_id(link.peer, seq)
             self.store_out.put_message(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
             self.credit.send(self.store_out.link_id, time.monotonic_ns())
             self.stored += 1
@@ -136,6 +137,14 @@ class Queue(Stage):
                 else:
                     self.confirms.setdefault(out, []).append(seq)
         self.messages.append((msg_id, record, False, on_store))
+
+    def store_id(self, channel: str, seq: int) -> bytes:
+        """The same 16 bytes in every queue a publish reaches, so the store writes its body once."""
+        prefix = self.id_prefixes.get(channel)
+        if prefix is None:
+            prefix = self.id_prefixes[channel] = hashlib.blake2b(f"{self.run_id}/{channel}".encode(),
+                                                                 digest_size=8).digest()
+        return prefix + struct.pack("<Q", seq)
 
     def on_disk(self, ids) -> None:
         for store_id in ids:
@@ -291,6 +300,8 @@ class Queue(Stage):
         self.delivered += 1
         if op["no_ack"]:
             self.acked += 1
+            if on_store is not None and self.store_out is not None:
+                self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, [on_store]))
         else:
             self.unacked[msg_id] = (record, (op["reader"], channel), on_store)
 

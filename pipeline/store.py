@@ -77,6 +77,7 @@ class Store(Stage):
             return
         if self.confirm_after == "write":
             self.report_on_disk()
+            self.flush_links()          # these confirms do not wait for the fsync below
         due = now_ns - self.first_unsynced_ns >= self.sync_interval_ns
         if due or self.drained:
             self.sync(now_ns)

@@ -316,7 +316,7 @@ class Supervisor:
             from pipeline.queue import Queue
             return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=durable,
                          exclusive=exclusive, auto_delete=auto_delete, store_spec=cfg.store_credit,
-                         delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max)
+                         delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id)
         self.spawn(pname, "queue", factory)
         self.queues[name] = {"proc": pname, "durable": durable}
         self.make_link(pname, "store", flow=not cfg.store_credit.disabled, spec=cfg.store_credit)
