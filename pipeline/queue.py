@@ -25,10 +25,12 @@ from pamqp import commands
 
 from pipeline import wire
 from pipeline.amqp import frames
+from pipeline.journal import QueueJournal, read_store_bodies
 from pipeline.channel import busy_wait_ns
 from pipeline.stage import TRIM_INTERVAL_NS, Stage
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
+SYNC_INTERVAL_MS = 200
 DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000
 
@@ -52,7 +54,8 @@ class Queue(Stage):
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
                  exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
-                 frame_max: int = 131072, run_id: str = ""):
+                 frame_max: int = 131072, run_id: str = "", journal_dir: str | None = None,
+                 store_dir: str | None = None):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.queue = queue
         self.queue_bytes = queue.encode()
@@ -75,12 +78,20 @@ class Queue(Stage):
         self.store_out = None
         self.store_in = None
         self.confirms: dict[object, list[int]] = {}
-        self.awaiting_disk: dict[bytes, tuple] = {}              # store id -> (out link, seq)
         self.peak_messages = 0
+        self.waiting: dict[int, list] = {}        # msg_id -> [out link, seq, journal synced?, store on disk?]
+        self.by_store_id: dict[bytes, int] = {}
+        self.journal = QueueJournal(journal_dir) if durable and journal_dir else None
+        self.journal_first_unsynced_ns: int | None = None
+        self.journal_acks: list[int] = []
+        self.journal_fsyncs = 0
+        self.recovered = 0
         self.enqueued = 0
         self.delivered = 0
         self.acked = 0
         self.stored = 0
+        if self.journal is not None:
+            self.recover(store_dir)
 
     # -- wiring -----------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -129,14 +140,42 @@ class Queue(Stage):
             self.store_out.put_message(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
             self.credit.send(self.store_out.link_id, time.monotonic_ns())
             self.stored += 1
+        persistent = self.journal is not None and flags & wire.PUB_PERSISTENT
+        if persistent:
+            self.journal_publish(msg_id, flags, on_store, record)
         if flags & wire.PUB_CONFIRM:
             out = self.peer_out.get(link.peer)
-            if out is not None:
+            if out is None:
+                pass
+            elif persistent:           # after the journal's fsync, and the store's for a body it holds
+                self.waiting[msg_id] = [out, seq, False, on_store is None]
                 if on_store is not None:
-                    self.awaiting_disk[on_store] = (out, seq)
-                else:
-                    self.confirms.setdefault(out, []).append(seq)
+                    self.by_store_id[on_store] = msg_id
+            else:
+                self.confirms.setdefault(out, []).append(seq)
         self.messages.append((msg_id, record, False, on_store))
+
+    def journal_publish(self, msg_id: int, flags: int, on_store, record) -> None:
+        # a message kept in the shared store is found there by its id; the journal holds the rest whole
+        content = b"" if on_store else memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]
+        self.journal.publish(msg_id, flags & ~wire.PUB_CONFIRM, on_store, content)
+        if self.journal_first_unsynced_ns is None:
+            self.journal_first_unsynced_ns = time.monotonic_ns()
+
+    def recover(self, store_dir: str | None) -> None:
+        """Rebuild the backlog from the journal (and the store's files for the bodies kept there)."""
+        entries = self.journal.recover()
+        bodies = read_store_bodies(store_dir or "", {sid for _, _, sid, _ in entries if sid is not None})
+        for msg_id, flags, store_id, content in entries:
+            if store_id is not None:
+                content = bodies.get(store_id)   # the store keeps the publish's whole content
+                if content is None:
+                    continue        # never reached the store's disk, so it was never confirmed
+            record = wire.encode_publish_record(flags, 0, content)
+            self.messages.append((msg_id, record, True, store_id))
+            self.next_id = max(self.next_id, msg_id + 1)
+        self.recovered = len(self.messages)
+        self.enqueued = self.recovered
 
     def store_id(self, channel: str, seq: int) -> bytes:
         """The same 16 bytes in every queue a publish reaches, so the store writes its body once."""
@@ -148,9 +187,32 @@ class Queue(Stage):
 
     def on_disk(self, ids) -> None:
         for store_id in ids:
-            entry = self.awaiting_disk.pop(store_id, None)
+            msg_id = self.by_store_id.pop(store_id, None)
+            entry = self.waiting.get(msg_id) if msg_id is not None else None
             if entry is not None:
-                self.confirms.setdefault(entry[0], []).append(entry[1])
+                entry[3] = True
+                self.confirm_if_ready(msg_id, entry)
+
+    def confirm_if_ready(self, msg_id: int, entry: list) -> None:
+        if entry[2] and entry[3]:
+            del self.waiting[msg_id]
+            self.confirms.setdefault(entry[0], []).append(entry[1])
+
+    def sync_journal(self) -> None:
+        self.journal.sync()
+        self.journal_fsyncs += 1
+        self.journal_first_unsynced_ns = None
+        for msg_id, entry in list(self.waiting.items()):
+            if not entry[2]:
+                entry[2] = True
+                self.confirm_if_ready(msg_id, entry)
+
+    def forget(self, msg_id: int, record, on_store) -> list:
+        """A message is gone for good (acked, or delivered without ack): returns its store id to remove."""
+        self.acked += 1
+        if self.journal is not None and record[1] & wire.PUB_PERSISTENT:
+            self.journal_acks.append(msg_id)
+        return [on_store] if on_store is not None else []
 
     def on_ack(self, record) -> None:
         flags, _, ids = wire.decode_ack(record)
@@ -166,9 +228,7 @@ class Queue(Stage):
             if flags & wire.ACK_REQUEUE:
                 requeue.append((msg_id, rec, True, on_store))
             else:
-                self.acked += 1
-                if on_store is not None:
-                    removed.append(on_store)
+                removed += self.forget(msg_id, rec, on_store)
         if requeue:
             self.messages.extendleft(reversed(requeue))
         if removed and self.store_out is not None:
@@ -178,10 +238,39 @@ class Queue(Stage):
     def after_io(self, now_ns: int) -> None:
         if self.messages and self.consumers:
             self.deliver_ready()
+        if self.journal is not None:
+            self.journal_policy(now_ns)
         for link, seqs in self.confirms.items():
             link.put(wire.encode_confirm(seqs))
         self.confirms.clear()
         self.give_back_memory(now_ns)
+
+    def journal_policy(self, now_ns: int) -> None:
+        """Group commit: fsync every SYNC_INTERVAL_MS while writes are pending, sooner when drained with
+        confirms waiting (as the store does)."""
+        if self.journal_acks:
+            self.journal.ack(self.journal_acks)
+            self.journal_acks = []
+            if self.journal_first_unsynced_ns is None:
+                self.journal_first_unsynced_ns = now_ns
+        if self.journal_first_unsynced_ns is None:
+            return
+        due = now_ns - self.journal_first_unsynced_ns >= SYNC_INTERVAL_MS * 1_000_000
+        drained = self.waiting and all(link.ring.statistics().used_bytes == 0 for link in self.in_links.values())
+        if due or drained:
+            self.sync_journal()
+
+    def timeout_s_journal(self, now_ns: int) -> float | None:
+        if self.journal_first_unsynced_ns is None:
+            return None
+        return max(0.0, (self.journal_first_unsynced_ns + SYNC_INTERVAL_MS * 1_000_000 - now_ns) / 1e9)
+
+    def shutdown(self) -> None:
+        if self.journal is not None:
+            if self.journal_acks:
+                self.journal.ack(self.journal_acks)
+            self.journal.close()
+        super().shutdown()
 
     def give_back_memory(self, now_ns: int) -> None:
         """Once a backlog has mostly drained, hand freed heap pages back to the OS.
@@ -224,9 +313,9 @@ class Queue(Stage):
                                            memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
             self.delivered += 1
             if c.no_ack:
-                self.acked += 1
-                if on_store is not None and self.store_out is not None:
-                    self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, [on_store]))
+                gone = self.forget(msg_id, record, on_store)
+                if gone and self.store_out is not None:
+                    self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, gone))
             else:
                 c.unacked += 1
                 self.unacked[msg_id] = (record, c, on_store)
@@ -241,9 +330,10 @@ class Queue(Stage):
     def timeout_s(self, now_ns: int) -> float | None:
         # SPACE tokens wake us when a reader drains a full window; this only covers the race
         # where it drained everything before we raised the flag
+        journal = self.timeout_s_journal(now_ns) if self.journal is not None else None
         if self.window_full and self.messages:
-            return 0.01
-        return None
+            return 0.01 if journal is None else min(0.01, journal)
+        return journal
 
     # -- operations from channels ---------------------------------------------------------
     def on_op(self, link, op: dict) -> None:
@@ -299,9 +389,9 @@ class Queue(Stage):
                                            memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
         self.delivered += 1
         if op["no_ack"]:
-            self.acked += 1
-            if on_store is not None and self.store_out is not None:
-                self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, [on_store]))
+            gone = self.forget(msg_id, record, on_store)
+            if gone and self.store_out is not None:
+                self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, gone))
         else:
             self.unacked[msg_id] = (record, (op["reader"], channel), on_store)
 
@@ -333,4 +423,5 @@ class Queue(Stage):
         return {"queue": self.queue, "durable": self.durable, "messages": len(self.messages),
                 "unacked": len(self.unacked), "consumers": len(self.consumers), "enqueued": self.enqueued,
                 "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
-                "awaiting_disk": len(self.awaiting_disk)}
+                "awaiting_confirm": len(self.waiting), "recovered": self.recovered,
+                "journal_fsyncs": self.journal_fsyncs}

@@ -30,6 +30,7 @@ import socket
 import sys
 import time
 import traceback
+import urllib.parse
 from dataclasses import dataclass, field
 
 from ipc import control, shm, tokens
@@ -312,13 +313,19 @@ class Supervisor:
             return pname
         cfg = self.cfg
 
+        journal_dir = os.path.join(cfg.data_dir, "queues", urllib.parse.quote(name, safe=""))
+        store_dir = os.path.join(cfg.data_dir, "msg_store")
+
         def factory(ctl, inbox, bell):
             from pipeline.queue import Queue
             return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=durable,
                          exclusive=exclusive, auto_delete=auto_delete, store_spec=cfg.store_credit,
-                         delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id)
+                         delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id,
+                         journal_dir=journal_dir, store_dir=store_dir)
         self.spawn(pname, "queue", factory)
         self.queues[name] = {"proc": pname, "durable": durable}
+        if durable:
+            self.save_definitions()
         self.make_link(pname, "store", flow=not cfg.store_credit.disabled, spec=cfg.store_credit)
         self.make_link("store", pname, flow=False)
         for proc in self.procs.values():
@@ -416,6 +423,8 @@ class Supervisor:
                                                               "reserved prefix 'amq.*'"}
                 self.exchanges[name] = {"type": msg["kind"], "durable": bool(msg.get("durable")), "bindings": []}
                 self.broadcast_exchange(name)
+                if msg.get("durable"):
+                    self.save_definitions()
             elif not msg.get("passive") and ex["type"] != msg["kind"]:
                 return {"ok": False, "code": 406, "text": f"PRECONDITION_FAILED - inequivalent arg 'type' for "
                                                           f"exchange '{name}' in vhost '/': received "
@@ -436,7 +445,38 @@ class Supervisor:
         elif kind == "unbind" and binding in ex["bindings"]:
             ex["bindings"].remove(binding)
         self.broadcast_exchange(name)
+        if ex.get("durable"):
+            self.save_definitions()
         return {"ok": True}
+
+    def save_definitions(self) -> None:
+        """Durable queues, exchanges and their bindings, so a restart on this data dir brings them back."""
+        durable_queues = {q for q, info in self.queues.items() if info["durable"]}
+        exchanges = {name: {"type": ex["type"], "bindings": [b for b in ex["bindings"] if b[0] in durable_queues]}
+                     for name, ex in self.exchanges.items() if ex.get("durable")}
+        path = os.path.join(self.cfg.data_dir, "definitions.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"queues": sorted(durable_queues), "exchanges": exchanges}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+
+    def load_definitions(self) -> None:
+        path = os.path.join(self.cfg.data_dir, "definitions.json")
+        try:
+            with open(path) as f:
+                defs = json.load(f)
+        except FileNotFoundError:
+            return
+        for name in defs.get("queues", []):
+            self.ensure_queue(name, durable=True, exclusive=False, auto_delete=False)
+        for name, ex in defs.get("exchanges", {}).items():
+            mine = self.exchanges.setdefault(name, {"type": ex["type"], "durable": True, "bindings": []})
+            for b in ex["bindings"]:
+                if b not in mine["bindings"]:
+                    mine["bindings"].append(b)
+        self.log("info", [f"recovered {len(defs.get('queues', []))} durable queues and "
+                          f"{len(defs.get('exchanges', {}))} durable exchanges from {path}"])
 
     def broadcast_exchange(self, name: str) -> None:
         for p in self.procs.values():
@@ -621,6 +661,7 @@ class Supervisor:
         try:
             self.start_store()
             self.start_watchdog()
+            self.load_definitions()
             self.write_broker_file()
             next_sample = time.monotonic()
             while self.running:

@@ -141,6 +141,11 @@ def encode_publish(flags: int, seq: int, exchange: bytes, routing_key: bytes,
                      bytes((len(routing_key),)), routing_key, _U32.pack(len(props)), props, body))
 
 
+def encode_publish_record(flags: int, seq: int, content) -> bytes:
+    """A PUBLISH record around an already encoded content part."""
+    return _PUBLISH_HEAD.pack(Kind.PUBLISH, flags, seq) + bytes(content)
+
+
 def publish_head(rec) -> tuple[int, int]:
     """(flags, seq) of a PUBLISH record."""
     _, flags, seq = _PUBLISH_HEAD.unpack_from(rec, 0)
