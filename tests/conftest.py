@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -134,13 +135,29 @@ def _leftover_shm() -> list[str]:
         return []
 
 
+def _owner_alive(name: str) -> bool:
+    m = re.match(r"^(?:sem\.)?creditflow-(\d+)x", name)
+    if not m:
+        return False
+    try:
+        os.kill(int(m.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():
+    """Fail the session if a broker it started left shared memory behind (a live owner elsewhere is not ours)."""
     before = set(_leftover_shm())
     yield
     for proc in _started:
         kill_group(proc, grace_s=5)
-    leaked = [n for n in _leftover_shm() if n not in before]
+    ours = {str(p.pid) for p in _started}
+    leaked = [n for n in _leftover_shm() if n not in before
+              and (not _owner_alive(n) or re.match(r"^(?:sem\.)?creditflow-(\d+)x", n).group(1) in ours)]
     if leaked:
         from ipc import shm
         shm.cleanup_stale()
