@@ -94,6 +94,8 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--store-delay-us", type=nonneg_int, default=0, help="busy delay per write in the store")
     g.add_argument("--fsync-interval-ms", type=pos_int, default=200, help="group-commit interval (default 200)")
     g.add_argument("--fsync-delay-ms", type=nonneg_int, default=0, help="extra delay per fsync (a slow disk)")
+    g.add_argument("--store-file-mb", type=pos_int, default=16,
+                   help="msg_store_file_size_limit in MiB: segment files roll over at this size (default 16)")
     g.add_argument("--confirm-after", choices=("fsync", "write"), default="fsync",
                    help="confirm persistent messages after fsync (default) or after write")
     g.add_argument("--heartbeat", type=nonneg_int, default=60, help="heartbeat seconds offered to clients")
@@ -116,7 +118,7 @@ def broker_config(args, data_dir: str, port: int):
         channel_max=args.channel_max, connection_max=args.connection_max,
         max_message_bytes=args.max_message_bytes, ring_bytes=ring_bytes,
         fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
-        confirm_after=args.confirm_after,
+        confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms})
 

@@ -19,7 +19,10 @@ import time
 from pipeline import wire
 from pipeline.channel import busy_wait_ns
 from pipeline.stage import READ_BATCH_RECORDS, Stage
-from pipeline.storage.segments import SYNC_INTERVAL_MS, SegmentStore
+from pipeline.journal import held_store_ids
+from pipeline.storage.segments import FILE_SIZE_LIMIT_BYTES, SYNC_INTERVAL_MS, SegmentStore
+
+COLLECT_INTERVAL_NS = 1_000_000_000     # look for garbage at most once a second after removals
 
 
 class Store(Stage):
@@ -27,9 +30,15 @@ class Store(Stage):
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, data_dir: str,
                  store_spec=None, delay_us: int = 0, fsync_interval_ms: int = SYNC_INTERVAL_MS,
-                 fsync_delay_ms: int = 0, confirm_after: str = "fsync"):
+                 fsync_delay_ms: int = 0, confirm_after: str = "fsync", queues_dir: str | None = None,
+                 file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
-        self.segments = SegmentStore(data_dir, fsync_delay_ms=fsync_delay_ms)
+        self.segments = SegmentStore(data_dir, fsync_delay_ms=fsync_delay_ms,
+                                     file_size_limit_bytes=file_size_limit_bytes)
+        self.adopted = self.segments.adopt(held_store_ids(queues_dir)) if queues_dir else 0
+        self.segments.collect()
+        self.removed_since_collect = 0
+        self.last_collect_ns = 0
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
         self.sync_interval_ns = fsync_interval_ms * 1_000_000
@@ -66,6 +75,7 @@ class Store(Stage):
             for msg_id in wire.decode_ids(record):
                 self.segments.decref(msg_id)
                 self.removes += 1
+                self.removed_since_collect += 1
 
     def poll_links(self, now_ns: int) -> int:
         handled = super().poll_links(now_ns)
@@ -73,6 +83,10 @@ class Store(Stage):
         return handled
 
     def after_io(self, now_ns: int) -> None:
+        if self.removed_since_collect and now_ns - self.last_collect_ns >= COLLECT_INTERVAL_NS:
+            self.segments.collect()
+            self.removed_since_collect = 0
+            self.last_collect_ns = now_ns
         if self.first_unsynced_ns is None:
             return
         if self.confirm_after == "write":
@@ -100,7 +114,7 @@ class Store(Stage):
 
     def timeout_s(self, now_ns: int) -> float | None:
         if self.first_unsynced_ns is None:
-            return None
+            return 1.0 if self.removed_since_collect else None
         return max(0.0, (self.first_unsynced_ns + self.sync_interval_ns - now_ns) / 1e9)
 
     def shutdown(self) -> None:
@@ -112,7 +126,7 @@ class Store(Stage):
 
     def extra_stats(self, now_ns: int) -> dict:
         events, self.fsync_events = self.fsync_events, []
-        return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs,
+        return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs, "adopted": self.adopted,
                 "fsync_ms_total": self.fsync_ns_total / 1e6, "fsync_events": events,
                 "segments": dataclasses.asdict(self.segments.statistics())}
 

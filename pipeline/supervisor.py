@@ -75,6 +75,7 @@ class BrokerConfig:
     fsync_interval_ms: int = 200
     fsync_delay_ms: int = 0
     confirm_after: str = "fsync"
+    store_file_bytes: int = 16 * 1024 * 1024
     watchdog: dict = field(default_factory=dict)
 
 
@@ -243,7 +244,8 @@ class Supervisor:
             return Store("store", ctl, inbox, bell, cfg.credit, data_dir=store_dir,
                          store_spec=cfg.store_credit, delay_us=cfg.store_delay_us,
                          fsync_interval_ms=cfg.fsync_interval_ms, fsync_delay_ms=cfg.fsync_delay_ms,
-                         confirm_after=cfg.confirm_after)
+                         confirm_after=cfg.confirm_after, queues_dir=os.path.join(cfg.data_dir, "queues"),
+                         file_size_limit_bytes=cfg.store_file_bytes)
         self.spawn("store", "store", factory)
 
     def start_watchdog(self) -> None:
