@@ -28,6 +28,7 @@ from ipc import control
 from ipc.errors import PeerGone, WouldBlock
 
 STATS_INTERVAL_NS = 1_000_000_000
+PAGING_RATIO = 0.5          # vm_memory_high_watermark_paging_ratio (RabbitMQ 3.x)
 MIB = 1024 * 1024
 
 
@@ -57,7 +58,7 @@ class WatchdogStatistics:
 
 class WatchdogCore:
     def __init__(self, *, memory_limit: MemoryLimit, disk_limit: DiskLimit, total_memory_bytes: int, node: str,
-                 memory_interval_ms: int = 100, now_ns: int = 0):
+                 memory_interval_ms: int = 100, now_ns: int = 0, paging_ratio: float = PAGING_RATIO):
         self.node = node
         self.total = total_memory_bytes
         self.memory_limit = memory_limit
@@ -65,6 +66,8 @@ class WatchdogCore:
         self.memory_interval_ns = memory_interval_ms * 1_000_000
         self.memory = Watermark("memory")
         self.disk = Watermark("disk")
+        self.paging = Watermark("paging")       # queues page to disk past paging_ratio x the watermark
+        self.paging_ratio = paging_ratio
         self.memory_used: int | None = None
         self.disk_free: int | None = None
         self.next_memory_due_ns = now_ns
@@ -91,17 +94,27 @@ class WatchdogCore:
                                now_ns)]
         self.memory_used = used
         limit = self.memory_limit_bytes
+        events = []
+        page_edge = self.paging.update(memory_alarmed(used, int(limit * self.paging_ratio)))
+        if page_edge is not None:
+            verb = "start" if page_edge.edge == "set" else "stop"
+            events.append(AlarmEvent("paging", "memory", "info",
+                                     [f"memory used {used} passed {self.paging_ratio} x the watermark "
+                                      f"({int(limit * self.paging_ratio)}): queues {verb} paging to disk"
+                                      if verb == "start" else
+                                      f"memory used {used} is back under {self.paging_ratio} x the watermark: "
+                                      "queues stop paging"], now_ns, {"on": verb == "start"}))
         edge = self.memory.update(memory_alarmed(used, limit))
         if edge is None:
-            return []
+            return events
         values = {"used": used, "limit": limit}
         if edge.edge == "set":
-            return [AlarmEvent("set", "memory", "warning",
-                               [memory_watermark_line("set", used, limit)] + alarm_set_lines("memory", self.node),
-                               now_ns, values)]
-        return [AlarmEvent("clear", "memory", "warning",
-                           [memory_watermark_line("clear", used, limit), alarm_cleared_line("memory", self.node)],
-                           now_ns, values)]
+            return events + [AlarmEvent("set", "memory", "warning",
+                                        [memory_watermark_line("set", used, limit)]
+                                        + alarm_set_lines("memory", self.node), now_ns, values)]
+        return events + [AlarmEvent("clear", "memory", "warning",
+                                    [memory_watermark_line("clear", used, limit),
+                                     alarm_cleared_line("memory", self.node)], now_ns, values)]
 
     def poll_disk(self, free: int | None, now_ns: int, why: str = "") -> list[AlarmEvent]:
         self.disk_polls += 1
@@ -166,7 +179,8 @@ class _Readings:
 
 
 def watchdog_main(ctl_sock, *, data_dir: str, node: str, supervisor_pid: int, memory_limit="0.6",
-                  disk_limit="50MB", strategy: str = "rss", memory_interval_ms: int = 100) -> int:
+                  disk_limit="50MB", strategy: str = "rss", memory_interval_ms: int = 100,
+                  paging_ratio: float = PAGING_RATIO) -> int:
     import select
 
     mem_limit, warnings = parse_memory_watermark(memory_limit) if not isinstance(memory_limit, MemoryLimit) \
@@ -174,7 +188,7 @@ def watchdog_main(ctl_sock, *, data_dir: str, node: str, supervisor_pid: int, me
     dsk_limit = parse_disk_free_limit(disk_limit) if not isinstance(disk_limit, DiskLimit) else disk_limit
     now = time.monotonic_ns()
     core = WatchdogCore(memory_limit=mem_limit, disk_limit=dsk_limit, total_memory_bytes=probes.total_memory_bytes(),
-                        node=node, memory_interval_ms=memory_interval_ms, now_ns=now)
+                        node=node, memory_interval_ms=memory_interval_ms, now_ns=now, paging_ratio=paging_ratio)
     readings = _Readings(supervisor_pid, strategy, data_dir)
 
     def send(msg: dict) -> None:
@@ -185,6 +199,8 @@ def watchdog_main(ctl_sock, *, data_dir: str, node: str, supervisor_pid: int, me
             send({"type": "log", "level": ev.level, "lines": ev.lines})
             if ev.kind in ("set", "clear"):
                 send({"type": "alarm", "source": ev.source, "state": ev.kind, "at_ns": ev.at_ns, **ev.values})
+            elif ev.kind == "paging":
+                send({"type": "paging", "on": ev.values["on"], "at_ns": ev.at_ns})
 
     for w in warnings:
         send({"type": "log", "level": "warning", "lines": [w]})

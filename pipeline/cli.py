@@ -84,6 +84,8 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     a.add_argument("--disk-free-limit", type=disk_limit_arg, default="50MB",
                    help="disk_free_limit: absolute (50MB) or mem_relative:F")
     a.add_argument("--memory-poll-ms", type=pos_int, default=100, help="memory poll interval (default 100 ms)")
+    a.add_argument("--paging-ratio", type=float, default=0.5,
+                   help="queues page message bodies to disk past this fraction of the watermark (default 0.5)")
     g = p.add_argument_group("broker")
     g.add_argument("--credit", type=credit_arg, default=None, metavar="I,M",
                    help="credit_flow_default_credit {InitialCredit,MoreCreditAfter} (default 400,200; 0,0 disables)")
@@ -120,7 +122,8 @@ def broker_config(args, data_dir: str, port: int):
         fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
-                  "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms})
+                  "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms,
+                  "paging_ratio": args.paging_ratio})
 
 
 def build_parser() -> Parser:

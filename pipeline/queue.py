@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import os
 import struct
 import time
 
@@ -31,6 +32,55 @@ from pipeline.stage import TRIM_INTERVAL_NS, Stage
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
+PAGE_BATCH_MESSAGES = 2048        # messages and pending acks paged out per round
+PAGE_ROUND_INTERVAL_NS = 50_000_000
+
+
+class Paged:
+    """A message record that was paged out: where it lies in the queue's page file."""
+
+    __slots__ = ("offset", "length")
+
+    def __init__(self, offset: int, length: int):
+        self.offset, self.length = offset, length
+
+
+class PageFile:
+    """Records paged out of RAM, appended and read back by position; emptied when nothing is paged."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = -1
+        self.end = 0
+        self.count = 0
+
+    def write(self, record) -> Paged:
+        if self.fd < 0:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.pwrite(self.fd, record, self.end)
+        ref = Paged(self.end, len(record))
+        self.end += len(record)
+        self.count += 1
+        return ref
+
+    def read(self, ref: Paged) -> bytes:
+        return os.pread(self.fd, ref.length, ref.offset)
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            os.ftruncate(self.fd, 0)
+            self.end = 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
 DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000
 
@@ -55,7 +105,7 @@ class Queue(Stage):
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
                  exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
                  frame_max: int = 131072, run_id: str = "", journal_dir: str | None = None,
-                 store_dir: str | None = None):
+                 store_dir: str | None = None, page_path: str | None = None):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.queue = queue
         self.queue_bytes = queue.encode()
@@ -79,6 +129,14 @@ class Queue(Stage):
         self.store_in = None
         self.confirms: dict[object, list[int]] = {}
         self.peak_messages = 0
+        self.paging = False
+        self.pages = PageFile(page_path) if page_path else None
+        self.paged_messages = 0
+        self.paged_acks = 0
+        self.paged_out = 0
+        self.paged_in = 0
+        self.last_page_round_ns = 0
+        self.page_sizes = (0, 0)
         self.waiting: dict[int, list] = {}        # msg_id -> [out link, seq, journal synced?, store on disk?]
         self.by_store_id: dict[bytes, int] = {}
         self.journal = QueueJournal(journal_dir) if durable and journal_dir else None
@@ -105,6 +163,10 @@ class Queue(Stage):
                     self.credit.set_peer_spec(link.link_id, self.store_spec)
         elif link.peer == "store":
             self.store_in = link
+
+    def on_control(self, msg: dict, fds) -> None:
+        if msg.get("type") == "page" and self.pages is not None:
+            self.paging = bool(msg["on"])
 
     def on_peer_down(self, link_id: int) -> None:
         for peer, link in list(self.peer_out.items()):
@@ -177,6 +239,61 @@ class Queue(Stage):
         self.recovered = len(self.messages)
         self.enqueued = self.recovered
 
+    def page_in(self, record, queued: bool):
+        """The record itself, read back from the page file if it was paged out."""
+        if type(record) is not Paged:
+            return record
+        self.paged_in += 1
+        if queued:
+            self.paged_messages -= 1
+        else:
+            self.paged_acks -= 1
+        data = self.pages.read(record)
+        self.pages.release()
+        return data
+
+    def page_out(self, now_ns: int) -> None:
+        """One round: page out up to PAGE_BATCH_MESSAGES records, the faster-growing kind first."""
+        if now_ns - self.last_page_round_ns < PAGE_ROUND_INTERVAL_NS:
+            return
+        self.last_page_round_ns = now_ns
+        ram_msgs = len(self.messages) - self.paged_messages
+        ram_acks = len(self.unacked) - self.paged_acks
+        grew_msgs, grew_acks = ram_msgs - self.page_sizes[0], ram_acks - self.page_sizes[1]
+        quota = PAGE_BATCH_MESSAGES
+        order = (self.page_acks, self.page_messages) if grew_acks > grew_msgs else (self.page_messages,
+                                                                                    self.page_acks)
+        for step in order:
+            quota -= step(quota)
+        self.page_sizes = (len(self.messages) - self.paged_messages, len(self.unacked) - self.paged_acks)
+        if quota < PAGE_BATCH_MESSAGES:
+            self.trim(now_ns)
+
+    def page_messages(self, quota: int) -> int:
+        messages = self.messages
+        n = len(messages)
+        picked = []
+        for back, entry in enumerate(reversed(messages)):   # the newest are delivered last: page them first
+            if len(picked) >= quota or self.paged_messages + len(picked) >= n:
+                break
+            if type(entry[1]) is not Paged:
+                picked.append(n - 1 - back)
+        for i in picked:
+            msg_id, record, redelivered, on_store = messages[i]
+            messages[i] = (msg_id, self.pages.write(record), redelivered, on_store)
+        self.paged_messages += len(picked)
+        self.paged_out += len(picked)
+        return len(picked)
+
+    def page_acks(self, quota: int) -> int:
+        picked = [msg_id for msg_id, (record, _, _) in self.unacked.items() if type(record) is not Paged][:quota]
+        for msg_id in picked:
+            record, owner, on_store = self.unacked[msg_id]
+            self.unacked[msg_id] = (self.pages.write(record), owner, on_store)
+        self.paged_acks += len(picked)
+        self.paged_out += len(picked)
+        return len(picked)
+
     def store_id(self, channel: str, seq: int) -> bytes:
         """The same 16 bytes in every queue a publish reaches, so the store writes its body once."""
         prefix = self.id_prefixes.get(channel)
@@ -225,6 +342,7 @@ class Queue(Stage):
             rec, owner, on_store = entry
             if isinstance(owner, Consumer):
                 owner.unacked -= 1
+            rec = self.page_in(rec, False)
             if flags & wire.ACK_REQUEUE:
                 requeue.append((msg_id, rec, True, on_store))
             else:
@@ -240,6 +358,8 @@ class Queue(Stage):
             self.deliver_ready()
         if self.journal is not None:
             self.journal_policy(now_ns)
+        if self.paging:
+            self.page_out(now_ns)
         for link, seqs in self.confirms.items():
             link.put(wire.encode_confirm(seqs))
         self.confirms.clear()
@@ -266,6 +386,8 @@ class Queue(Stage):
         return max(0.0, (self.journal_first_unsynced_ns + SYNC_INTERVAL_MS * 1_000_000 - now_ns) / 1e9)
 
     def shutdown(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
         if self.journal is not None:
             if self.journal_acks:
                 self.journal.ack(self.journal_acks)
@@ -308,6 +430,7 @@ class Queue(Stage):
             idle = 0
             room[c.link.link_id] -= 1
             msg_id, record, redelivered, on_store = messages.popleft()
+            record = self.page_in(record, True)
             flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if c.no_ack else 0)
             c.link.put(wire.encode_deliver(flags, c.channel, msg_id, c.ctag_bytes,
                                            memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
@@ -331,6 +454,8 @@ class Queue(Stage):
         # SPACE tokens wake us when a reader drains a full window; this only covers the race
         # where it drained everything before we raised the flag
         journal = self.timeout_s_journal(now_ns) if self.journal is not None else None
+        if self.paging and len(self.messages) + len(self.unacked) > self.paged_messages + self.paged_acks:
+            journal = PAGE_ROUND_INTERVAL_NS / 1e9 if journal is None else min(journal, PAGE_ROUND_INTERVAL_NS / 1e9)
         if self.window_full and self.messages:
             return 0.01 if journal is None else min(0.01, journal)
         return journal
@@ -384,6 +509,7 @@ class Queue(Stage):
             reader_link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
             return
         msg_id, record, redelivered, on_store = self.messages.popleft()
+        record = self.page_in(record, True)
         flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if op["no_ack"] else 0)
         reader_link.put(wire.encode_get_ok(flags, channel, msg_id, len(self.messages),
                                            memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
@@ -410,7 +536,7 @@ class Queue(Stage):
                 del self.unacked[msg_id]
                 if isinstance(owner, Consumer):
                     owner.unacked -= 1
-                back.append((msg_id, rec, True, on_store))
+                back.append((msg_id, self.page_in(rec, False), True, on_store))
         if back:
             back.sort(key=lambda m: m[0])
             self.messages.extendleft(reversed(back))
@@ -423,5 +549,7 @@ class Queue(Stage):
         return {"queue": self.queue, "durable": self.durable, "messages": len(self.messages),
                 "unacked": len(self.unacked), "consumers": len(self.consumers), "enqueued": self.enqueued,
                 "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
-                "awaiting_confirm": len(self.waiting), "recovered": self.recovered,
+                "awaiting_confirm": len(self.waiting), "recovered": self.recovered, "paging": self.paging,
+                "paged_messages": self.paged_messages, "paged_acks": self.paged_acks, "paged_out": self.paged_out,
+                "paged_in": self.paged_in,
                 "journal_fsyncs": self.journal_fsyncs}

@@ -145,6 +145,7 @@ class Supervisor:
         self.exit_code = EXIT_OK
         self.deaths: list[dict] = []
         self.alarms: dict[str, dict] = {}
+        self.paging = False
         self.telemetry = telemetry.Recorder(cfg.data_dir)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -323,8 +324,11 @@ class Supervisor:
             return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=durable,
                          exclusive=exclusive, auto_delete=auto_delete, store_spec=cfg.store_credit,
                          delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id,
-                         journal_dir=journal_dir, store_dir=store_dir)
-        self.spawn(pname, "queue", factory)
+                         journal_dir=journal_dir, store_dir=store_dir,
+                         page_path=os.path.join(cfg.data_dir, "paged", urllib.parse.quote(name, safe="") + ".pages"))
+        queue_proc = self.spawn(pname, "queue", factory)
+        if self.paging:
+            self.tell(queue_proc, {"type": "page", "on": True})
         self.queues[name] = {"proc": pname, "durable": durable}
         if durable:
             self.save_definitions()
@@ -404,6 +408,12 @@ class Supervisor:
             self.tell(proc, {"type": "reply", **self.exchange_op(kind, msg)})
         elif kind == "alarm":
             self.on_alarm(msg)
+        elif kind == "paging":
+            self.paging = bool(msg["on"])
+            self.telemetry.event("paging", "watchdog", msg)
+            for p in self.procs.values():
+                if p.kind == "queue":
+                    self.tell(p, {"type": "page", "on": self.paging})
         elif kind == "reply":
             self.pending_reply(msg)
 

@@ -77,11 +77,11 @@ def core(watermark="0.5", disk="50MB") -> WatchdogCore:
 def test_set_watermark_zero_alarms_at_once_and_restoring_clears_once():
     c = core()
     assert c.poll_memory(100, 0) == []
-    events = c.set_memory_limit(MemoryLimit(relative=0.0), 100, 1)
+    events = [e for e in c.set_memory_limit(MemoryLimit(relative=0.0), 100, 1) if e.kind != "paging"]
     assert [e.kind for e in events] == ["log", "set"]
     assert events[1].lines[0] == "vm_memory_high_watermark set. Memory used:100 allowed:0"
     assert c.poll_memory(100, 2) == []
-    events = c.set_memory_limit(MemoryLimit(relative=0.5), 100, 3)
+    events = [e for e in c.set_memory_limit(MemoryLimit(relative=0.5), 100, 3) if e.kind != "paging"]
     assert [e.kind for e in events] == ["log", "clear"]
     assert c.poll_memory(100, 4) == []
 
@@ -100,3 +100,12 @@ def test_disk_alarm_sets_clears_and_adapts_the_interval():
     assert c.poll_disk(1_000_100, 0) == [] and c.disk_interval_ms == 100
     assert [e.kind for e in c.poll_disk(99, 1)] == ["set"] and c.disk_interval_ms == 10_000
     assert [e.kind for e in c.poll_disk(250_000_100, 2)] == ["clear"] and c.disk_interval_ms == 2000
+
+
+def test_paging_starts_past_half_the_watermark_and_stops_below_it():
+    c = core(watermark="0.5")                    # limit 500 of 1000, paging past 250
+    assert c.poll_memory(200, 0) == []
+    events = c.poll_memory(300, 1)
+    assert [(e.kind, e.values) for e in events] == [("paging", {"on": True})]
+    assert c.poll_memory(400, 2) == []
+    assert [(e.kind, e.values) for e in c.poll_memory(100, 3)] == [("paging", {"on": False})]
