@@ -122,8 +122,8 @@ def broker_config(args, data_dir: str, port: int):
         fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
-                  "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms,
-                  "paging_ratio": args.paging_ratio})
+                  "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
+        paging_ratio=args.paging_ratio)
 
 
 def build_parser() -> Parser:

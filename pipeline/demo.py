@@ -64,9 +64,8 @@ def run_demo(args) -> int:
     # Paging would move the backlog to disk and keep memory under the watermark (RabbitMQ 3.x does the
     # same); the demo is about the alarm, so queues page only past 1.5 x the watermark, i.e. never first,
     # as on RabbitMQ 3.12 and later, which no longer page on memory pressure.
-    cfg = BrokerConfig(data_dir=run_dir, port=0, watchdog={
-        "memory_limit": "0.6", "disk_limit": "50MB", "strategy": args.memory_strategy, "memory_interval_ms": 100,
-        "paging_ratio": 1.5})
+    cfg = BrokerConfig(data_dir=run_dir, port=0, paging_ratio=1.5, watchdog={
+        "memory_limit": "0.6", "disk_limit": "50MB", "strategy": args.memory_strategy, "memory_interval_ms": 100})
     print(f"creditflow demo: a publisher at {args.rate} msg/s of {args.size} B against a consumer that spends "
           f"{args.consumer_latency} µs per message; the watermark will be lowered to the broker's footprint "
           f"+ {args.headroom_mb} MiB")

@@ -76,6 +76,7 @@ class BrokerConfig:
     fsync_delay_ms: int = 0
     confirm_after: str = "fsync"
     store_file_bytes: int = 16 * 1024 * 1024
+    paging_ratio: float = 0.5
     watchdog: dict = field(default_factory=dict)
 
 
@@ -390,6 +391,8 @@ class Supervisor:
         if kind == "stats":
             self.stats[proc.name] = msg
             self.telemetry.stats(msg)
+            if proc.kind == "watchdog":
+                self.check_paging(msg)
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
         elif kind == "open_channel":
@@ -408,12 +411,7 @@ class Supervisor:
             self.tell(proc, {"type": "reply", **self.exchange_op(kind, msg)})
         elif kind == "alarm":
             self.on_alarm(msg)
-        elif kind == "paging":
-            self.paging = bool(msg["on"])
-            self.telemetry.event("paging", "watchdog", msg)
-            for p in self.procs.values():
-                if p.kind == "queue":
-                    self.tell(p, {"type": "page", "on": self.paging})
+
         elif kind == "reply":
             self.pending_reply(msg)
 
@@ -494,6 +492,24 @@ class Supervisor:
         for p in self.procs.values():
             if p.kind == "channel":
                 self.tell(p, {"type": "exchanges", "table": {name: self.exchanges[name]}})
+
+    # -- paging -------------------------------------------------------------------------
+    def check_paging(self, st: dict) -> None:
+        """Queues page to disk while memory used > paging_ratio x the watermark (the watchdog's readings)."""
+        used, limit = st.get("memory_used"), st.get("memory_limit")
+        if used is None or limit is None:
+            return
+        on = used > limit * self.cfg.paging_ratio
+        if on == self.paging:
+            return
+        self.paging = on
+        self.log("info", [f"memory used {used} {'passed' if on else 'is back under'} {self.cfg.paging_ratio} x the "
+                          f"watermark ({int(limit * self.cfg.paging_ratio)}): queues "
+                          f"{'start' if on else 'stop'} paging to disk"])
+        self.telemetry.event("paging", "supervisor", {"on": on, "used": used, "limit": limit})
+        for p in self.procs.values():
+            if p.kind == "queue":
+                self.tell(p, {"type": "page", "on": on})
 
     # -- alarms -------------------------------------------------------------------------
     def on_alarm(self, msg: dict) -> None:
