@@ -1,33 +1,55 @@
-"""A consumer process: parses deliveries, measures latency from the intended send time, acks.
+"""A consumer process: deliveries parsed in place, latency from the intended send time, acks.
 
-Latency is the receive time minus the intended send time the publisher wrote
-into the body (``time.monotonic_ns`` is one clock for every process on the
-machine). With ``consumer_latency_us`` it spends that long per message (busy
-below a millisecond, asleep above), as PerfTest's ``-L``. Without autoack it
-acks once per socket read with ``multiple=True`` (PerfTest's
-``--multi-ack-every`` behaviour), which acknowledges every message read.
+``DeliveryStream`` is the sans-IO core. It walks whole frames in a buffer
+with ``frames.next_frame``: basic.deliver starts a message, its content
+header gives the body size, the first body frame holds the publisher's body
+header (``publisher.BODY_HEAD``: intended send time, sequence, producer id)
+and the message is complete when its body is. Any other frame goes to the
+caller's ``on_other`` (connection.close, basic.cancel, heartbeats).
+
+Measurements, per complete message:
+- latency = receive time - intended send time. ``time.monotonic_ns`` is one
+  clock for every process on the machine. The receive time is the instant
+  the socket read returned, or, with -L, the instant the message's turn
+  came (messages queued behind a slow one wait, as in PerfTest);
+- messages intended before this run started (left in a durable queue by an
+  earlier run) or with a body too short for the header are counted as
+  ``stale`` and not measured;
+- ``SequenceChecker``: per producer, a sequence above the next expected one
+  counts the skipped ones as ``gaps``, one below it as a ``duplicate``. It
+  only makes sense when this consumer is its queue's only consumer.
+
+With -L the stream spends that long per message: busy-waiting below a
+millisecond (sleep cannot be that precise), sleeping above.
+
+Acknowledgement (no -a): after each socket read, one basic.ack with
+``multiple=True`` for the last delivery tag read, which acknowledges every
+message read so far — PerfTest's ``--multi-ack-every`` behaviour with the
+batch being whatever one read brought.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import select
-import struct
 import time
+from dataclasses import asdict, dataclass
 
+from ipc.errors import WouldBlock
 from pipeline.amqp import frames
 from pipeline.loadgen import latency
-from pipeline.loadgen.client import BrokerClosed, Client
+from pipeline.loadgen.client import CHANNEL, RECEIVE_CHUNK_BYTES, AmqpClient
 from pipeline.loadgen.config import LoadConfig
+from pipeline.loadgen.publisher import BODY_HEAD
+from pipeline.loadgen.report import WorkerLink
 
-_BODY_HEAD = struct.Struct("<QQI")
-_U64 = struct.Struct(">Q")
 REPORT_INTERVAL_NS = 1_000_000_000
+BUSY_WAIT_BELOW_US = 1000
+CONTROL_POLL_BUSY_NS = 20_000_000
 
 
-def spend(us: int) -> None:
-    if us >= 1000:
+def spend_us(us: int) -> None:
+    """Take ``us`` microseconds: busy below a millisecond, asleep above."""
+    if us >= BUSY_WAIT_BELOW_US:
         time.sleep(us / 1e6)
         return
     end = time.perf_counter_ns() + us * 1000
@@ -35,141 +57,228 @@ def spend(us: int) -> None:
         pass
 
 
-class Consumer:
-    def __init__(self, cfg: LoadConfig, index: int, report_fd: int, stop_fd: int, start_ns: int,
-                 queue: str):
-        self.cfg = cfg
-        self.index = index
-        self.report_fd = report_fd
-        self.stop_fd = stop_fd
-        self.client = Client(cfg.host, cfg.port, frame_max=cfg.frame_max)
-        self.client.queue_declare(queue, cfg.queue_durable)
-        if cfg.prefetch:
-            self.client.qos(cfg.prefetch)
-        self.client.consume(queue, no_ack=cfg.autoack)
-        self.sock = self.client.sock
-        self.sock.setblocking(False)
-        self.buf = bytearray(self.client.unread())
-        self.received = 0
-        self.counts: dict[int, int] = {}
-        self.hist = latency.new_histogram()
-        self.last_seq: dict[int, int] = {}
+class SequenceChecker:
+    """Per-producer order check: counts skipped sequences (gaps) and repeats (duplicates)."""
+
+    __slots__ = ("expected", "gaps", "duplicates")
+
+    def __init__(self) -> None:
+        self.expected: dict[int, int] = {}
         self.gaps = 0
         self.duplicates = 0
-        self.last_tag = 0
-        self.acked_tag = 0
-        self.body_left = -1       # bytes still expected for the current message's body
-        self.body_head = b""
-        self.next_report_ns = start_ns + REPORT_INTERVAL_NS
-        self.second = 0
-        self.stopping = False
 
-    def run(self) -> int:
-        try:
-            while not self.stopping:
-                now = time.monotonic_ns()
-                if now >= self.next_report_ns:
-                    self.report(now)
-                r, _, _ = select.select([self.sock, self.stop_fd], [], [],
-                                        max(0, self.next_report_ns - now) / 1e9)
-                if self.sock in r:
-                    self.read()
-                if self.stop_fd in r:
-                    self.stopping = True
-        except BrokerClosed as exc:
-            self.report(time.monotonic_ns(), error=str(exc))
-            return 1
-        self.report(time.monotonic_ns(), final=True)
-        self.client.close()
-        return 0
-
-    def read(self) -> None:
-        try:
-            data = self.sock.recv(1 << 20)
-        except BlockingIOError:
-            return
-        if not data:
-            raise BrokerClosed(320, "connection closed by the broker")
-        buf = self.buf
-        buf += data
-        pos = 0
-        delay = self.cfg.consumer_latency_us
-        counts = self.counts
-        next_frame = frames.next_frame
-        while True:
-            found = next_frame(buf, pos)
-            if found is None:
-                break
-            ftype, _, ps, pe = found
-            pos = pe + 1
-            if ftype == 3:
-                if self.body_left > 0:
-                    if not self.body_head:
-                        self.body_head = bytes(buf[ps:ps + 20])
-                    self.body_left -= pe - ps
-                    if self.body_left <= 0:
-                        self.message(counts)
-                        if delay:
-                            spend(delay)
-            elif ftype == 2:
-                (size,) = _U64.unpack_from(buf, ps + 4)
-                self.body_left = size
-                self.body_head = b""
-                if size == 0:
-                    self.message(counts)
-            elif ftype == 1:
-                key = frames.method_id(buf, ps)
-                if key == frames.BASIC_DELIVER:
-                    o = ps + 4
-                    o += 1 + buf[o]
-                    (self.last_tag,) = _U64.unpack_from(buf, o)
-                else:
-                    method = frames.decode_method(buf, ps, pe)
-                    if method.name in ("Connection.Close", "Channel.Close"):
-                        raise BrokerClosed(method.reply_code, method.reply_text)
-        del buf[:pos]
-        if not self.cfg.autoack and self.last_tag > self.acked_tag:
-            self.sock.setblocking(True)
-            try:
-                self.sock.sendall(frames.encode_basic_ack(1, self.last_tag, True))
-            finally:
-                self.sock.setblocking(False)
-            self.acked_tag = self.last_tag
-
-    def message(self, counts) -> None:
-        self.received += 1
-        head = self.body_head
-        if len(head) < 20:
-            return
-        ts, seq, pid = _BODY_HEAD.unpack(head)
-        lat = (time.monotonic_ns() - ts) // 1000
-        counts[lat] = counts.get(lat, 0) + 1
-        last = self.last_seq.get(pid, 0)
-        if seq == last + 1:
-            self.last_seq[pid] = seq
-        elif seq > last + 1:
-            self.gaps += seq - last - 1
-            self.last_seq[pid] = seq
+    def observe(self, producer: int, seq: int) -> None:
+        expected = self.expected.get(producer, 1)
+        if seq == expected:
+            self.expected[producer] = seq + 1
+        elif seq > expected:
+            self.gaps += seq - expected
+            self.expected[producer] = seq + 1
         else:
             self.duplicates += 1
 
-    def report(self, now: int, final: bool = False, error: str | None = None) -> None:
-        latency.fold(self.hist, self.counts)
-        msg = {"role": "consumer", "index": self.index, "second": self.second, "at_ns": now,
-               "received": self.received, "gaps": self.gaps, "duplicates": self.duplicates,
-               "final": final, "error": error, "consumer_hist": latency.encode(self.hist)}
-        self.hist = latency.new_histogram()
-        os.write(self.report_fd, json.dumps(msg).encode() + b"\n")
-        self.second += 1
-        while self.next_report_ns <= now:
-            self.next_report_ns += REPORT_INTERVAL_NS
+
+@dataclass(frozen=True)
+class ConsumerStatistics:
+    received: int                 # messages of this run, completely received
+    stale: int                    # messages from before this run, or not ours
+    gaps: int
+    duplicates: int
+    acked_tag: int                # highest delivery tag acknowledged
 
 
-def consumer_main(cfg: LoadConfig, index: int, report_fd: int, stop_fd: int, start_ns: int, queue: str) -> int:
-    try:
-        con = Consumer(cfg, index, report_fd, stop_fd, start_ns, queue)
-    except (OSError, BrokerClosed) as exc:
-        os.write(report_fd, json.dumps({"role": "consumer", "index": index, "final": True,
-                                        "error": f"cannot start: {exc}"}).encode() + b"\n")
-        return 1
-    return con.run()
+class DeliveryStream:
+    """Turns frames into measured messages (sans-IO: bytes and times in, counts out)."""
+
+    def __init__(self, run_start_ns: int, recorder: latency.LatencyRecorder, *, frame_max: int | None = None,
+                 check_sequence: bool = True, delay_us: int = 0, spend=spend_us, clock=time.monotonic_ns):
+        self.run_start_ns = run_start_ns
+        self.recorder = recorder
+        self.frame_max = frame_max
+        self.sequence = SequenceChecker() if check_sequence else None
+        self.delay_us = delay_us
+        self.spend = spend
+        self.clock = clock
+        self.received = 0
+        self.stale = 0
+        self.last_tag = 0
+        self._in_content = False     # a basic.deliver was read and its header is awaited
+        self._body_left = 0          # body bytes still to come for the current message
+        self._head = None            # (intended ns, seq, producer) of the current message, or None
+
+    def feed(self, buf, now_ns: int, on_other) -> int:
+        """Consume the whole frames at the start of ``buf``; the number of bytes they took.
+
+        ``on_other(ftype, channel, payload_start, payload_end)`` is called for
+        frames that are not part of a delivery, before ``feed`` returns. The
+        loop keeps its state in locals: it runs once per frame, three times a
+        message, and is most of what a consumer spends per message.
+        """
+        next_frame = frames.next_frame
+        method_id = frames.method_id
+        content_header = frames.decode_content_header
+        unpack_head = BODY_HEAD.unpack_from
+        head_size = BODY_HEAD.size
+        deliver = frames.BASIC_DELIVER
+        frame_max = self.frame_max
+        counts = self.recorder.counts
+        expected = self.sequence.expected if self.sequence is not None else None
+        run_start_ns = self.run_start_ns
+        delay_us = self.delay_us
+        in_content, body_left, head = self._in_content, self._body_left, self._head
+        received = stale = gaps = duplicates = 0
+        pos = 0
+        last_deliver = None
+        try:
+            while (found := next_frame(buf, pos, frame_max)) is not None:
+                ftype, channel, ps, pe = found
+                pos = pe + 1
+                if ftype == 3 and body_left > 0:
+                    if head is None and pe - ps >= head_size:
+                        head = unpack_head(buf, ps)
+                    body_left -= pe - ps
+                    if body_left > 0:
+                        continue
+                elif ftype == 2 and in_content:
+                    in_content = False
+                    body_left = content_header(buf, ps, pe)[0]
+                    head = None
+                    if body_left > 0:
+                        continue
+                elif ftype == 1 and method_id(buf, ps) == deliver:
+                    last_deliver = (ps, pe)
+                    in_content = True
+                    continue
+                else:
+                    on_other(ftype, channel, ps, pe)
+                    continue
+                # a message is complete
+                if delay_us:
+                    now_ns = self.clock()
+                if head is None or head[0] < run_start_ns:
+                    stale += 1
+                else:
+                    received += 1
+                    lat = (now_ns - head[0]) // 1000      # latency.clamp_us, inline
+                    if lat < latency.LOWEST_US:
+                        lat = latency.LOWEST_US
+                    elif lat >= 1 << latency.RESOLUTION_BITS:
+                        if lat > latency.HIGHEST_US:
+                            lat = latency.HIGHEST_US
+                        shift = lat.bit_length() - latency.RESOLUTION_BITS
+                        lat = lat >> shift << shift
+                    counts[lat] = counts.get(lat, 0) + 1
+                    if expected is not None:              # SequenceChecker.observe, inline
+                        _, seq, producer = head
+                        want = expected.get(producer, 1)
+                        if seq != want:
+                            if seq > want:
+                                gaps += seq - want
+                            else:
+                                duplicates += 1
+                                continue
+                        expected[producer] = seq + 1
+                if delay_us:
+                    self.spend(delay_us)
+        finally:
+            self._in_content, self._body_left, self._head = in_content, body_left, head
+            self.received += received
+            self.stale += stale
+            if self.sequence is not None:
+                self.sequence.gaps += gaps
+                self.sequence.duplicates += duplicates
+        if last_deliver is not None:
+            self.last_tag = frames.decode_deliver(buf, *last_deliver)[1]
+        return pos
+
+
+class Consumer:
+    """One consuming connection and its loop."""
+
+    def __init__(self, cfg: LoadConfig, index: int, clock=time.monotonic_ns):
+        self.cfg = cfg
+        self.index = index
+        self.name = f"consumer-{index}"
+        self.queue = cfg.consumer_queue(index)
+        self.clock = clock
+        self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
+                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock)
+        self.client.queue_declare(self.queue, cfg.durable)
+        if cfg.prefetch:
+            self.client.basic_qos(cfg.prefetch)
+        self.client.basic_consume(self.queue, no_ack=cfg.autoack)
+        self.recorder = latency.LatencyRecorder()
+        self.stream: DeliveryStream | None = None
+        self.acked_tag = 0
+
+    def statistics(self) -> ConsumerStatistics:
+        s = self.stream
+        seq = s.sequence if s is not None else None
+        return ConsumerStatistics(received=s.received if s else 0, stale=s.stale if s else 0,
+                                  gaps=seq.gaps if seq else 0, duplicates=seq.duplicates if seq else 0,
+                                  acked_tag=self.acked_tag)
+
+    def read_nowait(self) -> int:
+        """Take in what the socket holds, measure and acknowledge it; its byte count. WouldBlock if none."""
+        got = self.client.receive_nowait()
+        self.take_buffered()
+        return got
+
+    def take_buffered(self) -> None:
+        """Measure the whole frames already buffered and acknowledge them (one multiple ack)."""
+        client = self.client
+        used = 0
+        try:
+            used = self.stream.feed(client.buffer, self.clock(), client.handle_frame)
+        finally:
+            client.discard(used)
+        if not self.cfg.autoack and self.stream.last_tag > self.acked_tag:
+            self.acked_tag = self.stream.last_tag
+            client.send_all(frames.encode_basic_ack(CHANNEL, self.acked_tag, True))
+
+    def run(self, link: WorkerLink, start_ns: int) -> None:
+        cfg = self.cfg
+        self.stream = DeliveryStream(start_ns, self.recorder, frame_max=self.client.frame_max,
+                                     check_sequence=cfg.consumers_on(self.queue) == 1,
+                                     delay_us=cfg.consumer_latency_us, clock=self.clock)
+        self.client.set_nonblocking()
+        next_report_ns = start_ns + REPORT_INTERVAL_NS
+        next_control_ns = 0
+        poller = select.poll()
+        poller.register(self.client.fileno(), select.POLLIN)
+        poller.register(link.control_fd, select.POLLIN)
+        self.take_buffered()                    # deliveries that arrived with the set-up replies
+        control_fd = link.control_fd
+        events: list = []
+        while True:
+            now = self.clock()
+            if now >= next_report_ns:
+                next_report_ns = self.report(link, "second", start_ns, now)
+            try:
+                got = self.read_nowait()
+            except WouldBlock:
+                got = 0
+            if now >= next_control_ns or any(fd == control_fd for fd, _ in events):
+                next_control_ns = now + CONTROL_POLL_BUSY_NS
+                if link.command_nowait()[0] == "stop":
+                    return
+            if got == RECEIVE_CHUNK_BYTES:       # a full read: more is probably waiting
+                events = []
+                continue
+            self.client.tick(now)
+            deadline = next_report_ns
+            beat = self.client.heartbeat.next_deadline_ns()
+            if beat is not None:
+                deadline = min(deadline, beat)
+            events = poller.poll(max(0, deadline - self.clock()) / 1e6)
+
+    def finish(self, link: WorkerLink, start_ns: int) -> None:
+        self.report(link, "final", start_ns, self.clock())
+        self.client.close()
+
+    def report(self, link: WorkerLink, event: str, start_ns: int, now: int) -> int:
+        """Send one report; the instant the next one is due."""
+        k = (now - start_ns) // REPORT_INTERVAL_NS - 1
+        link.send(event, k=k, at_ns=now, cpu_s=time.process_time(), stats=asdict(self.statistics()),
+                  hist={"consumer": latency.encode(self.recorder.take())})
+        return start_ns + (k + 2) * REPORT_INTERVAL_NS

@@ -1,141 +1,340 @@
-"""Run publishers and consumers as processes and merge their once-a-second reports.
+"""Run publishers and consumers as OS processes and merge their once-a-second reports.
 
-Consumers start first, then publishers; all of them time their reports from
-one shared start instant. Each worker writes one JSON line per second on its
-own pipe (counts and HdrHistogram-encoded latencies; no pickle). At the end
-the publishers are told to stop (a byte on their stop pipe), the consumers
-drain until they have everything that was published or stop making
-progress, and the harness returns the totals.
+Lifecycle (``run_load``)::
 
-Every worker dies with the harness (PR_SET_PDEATHSIG) and is reaped in a
-``finally`` block, whatever happens.
+    fork consumers ─▶ each connects, declares, consumes, reports "ready"
+    fork producers ─▶ each connects, declares, confirm.select, reports "ready"
+    start instant chosen; "G"+start to every worker ─▶ seconds counted from it
+    every second: each worker reports; the book merges second k into a
+        SecondReport once every live worker has reported it (or 300 ms late)
+    at -z: "S" to producers ─▶ each finishes its batch, waits for confirms
+        (drain_idle_s at most), sends its final report, closes
+    drain: consumers run on until they have every copy that was published,
+        or nothing arrived for drain_idle_s ─▶ "S" to consumers ─▶ finals
+    reap: every worker is waited for, killed if it lingers
+
+A worker is forked with SIGINT/SIGTERM blocked until it has set itself up;
+it ignores SIGINT (the harness coordinates shutdown) and asks the kernel for
+SIGKILL when the harness dies (PR_SET_PDEATHSIG), so no worker outlives a
+killed harness. The pipe records are described in ``report``; ``ReportBook``
+is the pure part that turns records into per-second and final figures.
 """
 
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import select
 import signal
 import time
-import traceback
 from dataclasses import dataclass, field
 
-from pipeline.loadgen import latency
+from pipeline.amqp.errors import AmqpError
+from pipeline.loadgen import LoadgenError, latency
+from pipeline.loadgen.client import ClientError
 from pipeline.loadgen.config import LoadConfig
+from pipeline.loadgen.consumer import Consumer
+from pipeline.loadgen.publisher import Publisher
+from pipeline.loadgen.report import WorkerLink, decode_records, encode_start, encode_stop
 
-START_DELAY_NS = 300_000_000
-NO_PROGRESS_S = 3.0
+NS_PER_S = 1_000_000_000
+READY_TIMEOUT_S = 30.0
+START_WAIT_TIMEOUT_S = 120.0
+SECOND_GRACE_NS = 300_000_000
+FINAL_TIMEOUT_S = 10.0
+REAP_TIMEOUT_S = 5.0
+PR_SET_PDEATHSIG = 1
+EXIT_OK = 0
+EXIT_WORKER_FAILED = 1
 
 
-@dataclass
+class WorkerFailed(LoadgenError):
+    """Raised when a publisher or consumer process cannot connect or set itself up."""
+
+
+@dataclass(frozen=True)
 class SecondReport:
-    time_s: float
-    sent_rate: float
+    time_s: float                 # seconds since the start instant at which the second's reports were taken
+    sent_rate: float              # msg/s over the second, all producers
     confirmed_rate: float
     received_rate: float
-    nacked: int
-    returned: int
-    consumer: dict
-    confirm: dict | None
-    blocked: bool
-    published: int
-    delivered: int
+    nacked: int                   # during the second
+    returned: int                 # during the second
+    consumer: dict                # latency percentiles, µs (latency.percentiles)
+    confirm: dict | None          # None without confirms
+    blocked: dict                 # publisher name -> blocked by connection.blocked during the second
+    published: int                # cumulative
+    delivered: int                # cumulative
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoadResult:
+    run_id: str
     published: int
     confirmed: int
     nacked: int
     returned: int
     delivered: int
-    lost: int
-    publish_rate: float
-    deliver_rate: float
-    latency_us: dict
-    seconds: list = field(default_factory=list)
-    blocked_events: list = field(default_factory=list)
-    errors: list = field(default_factory=list)
-    gaps: int = 0
-    duplicates: int = 0
+    lost: int                     # copies published, not nacked or returned, never delivered
+    stale: int                    # deliveries left over from earlier runs
+    gaps: int
+    duplicates: int
+    publish_rate: float           # msg/s over the producing window
+    deliver_rate: float           # msg/s over the producing window
+    window_s: float
+    latency_us: dict              # {"consumer": percentiles, "confirm": percentiles (with -c)}
+    histograms: dict              # the same, as HdrHistogram base64 text
+    seconds: tuple = ()
+    blocked_events: dict = field(default_factory=dict)   # publisher -> ((time_s, "blocked"/"unblocked", reason), ...)
+    errors: tuple = ()
+    cpu_s: dict = field(default_factory=dict)   # worker -> CPU seconds the worker process used
 
 
+# -- the pure part ---------------------------------------------------------------------------
+class ReportBook:
+    """Everything the workers reported, merged into seconds and a result (no I/O, no clock)."""
+
+    def __init__(self, cfg: LoadConfig, start_ns: int, workers: list[str], run_id: str = ""):
+        self.cfg = cfg
+        self.start_ns = start_ns
+        self.run_id = run_id
+        self.workers = list(workers)
+        self.latest: dict[str, dict] = {}            # worker -> latest record with stats
+        self.used: dict[str, dict] = {}              # worker -> record the previous second was cut at
+        self.fresh_hist: dict[str, list[str]] = {w: [] for w in workers}
+        self.fresh_events: dict[str, list] = {w: [] for w in workers}
+        self.totals = {"consumer": latency.new_histogram(), "confirm": latency.new_histogram()}
+        self.events: dict[str, list] = {}
+        self.finals: set[str] = set()
+        self.gone: set[str] = set()                   # ended: final record, or EOF
+        self.errors: list[str] = []
+        self.cpu_s: dict[str, float] = {}             # worker -> CPU seconds it has used
+        self.window: dict[str, tuple[int, int]] | None = None   # worker -> (at_ns, record) at stop
+
+    @staticmethod
+    def role(worker: str) -> str:
+        return worker.split("-", 1)[0]
+
+    def add(self, record: dict) -> None:
+        worker = record["worker"]
+        event = record["event"]
+        if event == "error":
+            self.errors.append(f"{worker}: {record.get('error')}")
+            self.gone.add(worker)
+            return
+        if "stats" not in record:
+            return
+        self.latest[worker] = record
+        if "cpu_s" in record:
+            self.cpu_s[worker] = record["cpu_s"]
+        for kind, text in (record.get("hist") or {}).items():
+            if text:
+                self.fresh_hist[worker].append(text)
+                self.totals[kind] = latency.merge((self.totals[kind], text))
+        for at_ns, what, reason in record.get("blocked_events") or ():
+            self.fresh_events[worker].append(what)
+            self.events.setdefault(worker, []).append(((at_ns - self.start_ns) / NS_PER_S, what, reason))
+        if event == "final":
+            self.finals.add(worker)
+            self.gone.add(worker)
+            if record.get("error"):
+                self.errors.append(f"{worker}: {record['error']}")
+
+    def ended(self, worker: str, why: str) -> None:
+        """``worker``'s pipe closed; without a final report that is a death worth reporting."""
+        if worker not in self.gone:
+            self.errors.append(f"{worker}: {why}")
+        self.gone.add(worker)
+
+    def has_second(self, k: int) -> bool:
+        """Every live worker has reported second ``k`` (or a later one)."""
+        return all(w in self.gone or self.latest.get(w, {}).get("k", -1) >= k for w in self.workers)
+
+    def _stat(self, worker: str, name: str, record: dict | None = None) -> int:
+        record = record if record is not None else self.latest.get(worker)
+        return (record or {}).get("stats", {}).get(name, 0)
+
+    def _sum(self, role: str, name: str) -> int:
+        return sum(self._stat(w, name) for w in self.workers if self.role(w) == role)
+
+    def second(self, k: int) -> SecondReport:
+        """Cut second ``k``: rates since the previous cut, latencies reported since then."""
+        rates = {"sent": 0.0, "confirmed": 0.0, "received": 0.0}
+        counts = {"nacked": 0, "returned": 0}
+        ats = []
+        blocked = {}
+        hists = {"consumer": [], "confirm": []}
+        for w in self.workers:
+            rec = self.latest.get(w)
+            if rec is None:
+                continue
+            prev = self.used.get(w)
+            prev_at = prev["at_ns"] if prev else self.start_ns
+            dt_s = max(rec["at_ns"] - prev_at, 1) / NS_PER_S
+            fields = ("sent", "confirmed") if self.role(w) == "publisher" else ("received",)
+            for name in fields:
+                rates[name] += (self._stat(w, name) - self._stat(w, name, prev or {})) / dt_s
+            if self.role(w) == "publisher":
+                for name in counts:
+                    counts[name] += self._stat(w, name) - self._stat(w, name, prev or {})
+                blocked[w] = bool(rec["stats"].get("blocked")) or "blocked" in self.fresh_events[w]
+            for text in self.fresh_hist[w]:
+                hists["consumer" if self.role(w) == "consumer" else "confirm"].append(text)
+            self.fresh_hist[w] = []
+            self.fresh_events[w] = []
+            if rec is not prev:
+                ats.append(rec["at_ns"])
+            self.used[w] = rec
+        time_s = (sum(ats) / len(ats) - self.start_ns) / NS_PER_S if ats else float(k + 1)
+        return SecondReport(
+            time_s=time_s, sent_rate=rates["sent"], confirmed_rate=rates["confirmed"],
+            received_rate=rates["received"], nacked=counts["nacked"], returned=counts["returned"],
+            consumer=latency.percentiles(latency.merge(hists["consumer"])),
+            confirm=latency.percentiles(latency.merge(hists["confirm"])) if self.cfg.confirm else None,
+            blocked=blocked, published=self._sum("publisher", "sent"), delivered=self._sum("consumer", "received"))
+
+    def mark_window(self) -> None:
+        """The producing window ends now: remember each worker's latest report for the average rates."""
+        self.window = {w: (rec["at_ns"], rec) for w, rec in self.latest.items()}
+
+    @property
+    def published(self) -> int:
+        return self._sum("publisher", "sent")
+
+    @property
+    def delivered(self) -> int:
+        return self._sum("consumer", "received")
+
+    def expected_deliveries(self) -> int:
+        """Copies the consumers should get: each publish not nacked or returned, once per consumed queue."""
+        settled_elsewhere = self._sum("publisher", "nacked") + self._sum("publisher", "returned")
+        return max(0, self.published - settled_elsewhere) * self.cfg.copies_consumed
+
+    def _window_rate(self, role: str, name: str, fallback_s: float) -> float:
+        rate = 0.0
+        for w in self.workers:
+            if self.role(w) != role:
+                continue
+            at_ns, rec = (self.window or {}).get(w, (0, None))
+            if rec is not None and at_ns > self.start_ns:
+                rate += self._stat(w, name, rec) / ((at_ns - self.start_ns) / NS_PER_S)
+            else:
+                rate += self._stat(w, name) / fallback_s
+        return rate
+
+    def result(self, seconds: list[SecondReport]) -> LoadResult:
+        cfg = self.cfg
+        published, delivered = self.published, self.delivered
+        lost = max(0, self.expected_deliveries() - delivered) if cfg.consumers and cfg.producers else 0
+        lat = {"consumer": latency.percentiles(self.totals["consumer"])}
+        hists = {"consumer": latency.encode(self.totals["consumer"])}
+        if cfg.confirm:
+            lat["confirm"] = latency.percentiles(self.totals["confirm"])
+            hists["confirm"] = latency.encode(self.totals["confirm"])
+        windows = [at - self.start_ns for at, _ in (self.window or {}).values()]
+        return LoadResult(
+            run_id=self.run_id, published=published, confirmed=self._sum("publisher", "confirmed"),
+            nacked=self._sum("publisher", "nacked"), returned=self._sum("publisher", "returned"),
+            delivered=delivered, lost=lost, stale=self._sum("consumer", "stale"),
+            gaps=self._sum("consumer", "gaps"), duplicates=self._sum("consumer", "duplicates"),
+            publish_rate=self._window_rate("publisher", "sent", cfg.duration_s),
+            deliver_rate=self._window_rate("consumer", "received", cfg.duration_s),
+            window_s=max(windows) / NS_PER_S if windows else float(cfg.duration_s),
+            latency_us=lat, histograms=hists, seconds=tuple(seconds),
+            blocked_events={w: tuple(e) for w, e in self.events.items()}, errors=tuple(self.errors),
+            cpu_s=dict(self.cpu_s))
+
+
+# -- processes -------------------------------------------------------------------------------
 @dataclass
-class Worker:
-    role: str
-    index: int
+class WorkerProcess:
+    name: str
     pid: int
     report_fd: int
-    stop_fd: int
-    buf: bytes = b""
-    latest: dict = field(default_factory=dict)
-    reports: dict = field(default_factory=dict)   # second -> report
-    final: bool = False
+    control_fd: int
+    buffer: bytes = b""
+    open: bool = True
+    ready: bool = False
+    exit_code: int | None = None
 
 
-def _fork_worker(target, args) -> tuple[int, int, int]:
+def _worker_main(name: str, cfg: LoadConfig, index: int, link: WorkerLink) -> int:
+    """Everything a worker process does; its exit code."""
+    try:
+        worker = Publisher(cfg, index) if name.startswith("publisher") else Consumer(cfg, index)
+    except (ClientError, AmqpError, OSError) as exc:
+        link.send("error", error=f"cannot start: {exc}")
+        return EXIT_WORKER_FAILED
+    link.send("ready")
+    start_ns = None
+    deadline = time.monotonic() + START_WAIT_TIMEOUT_S
+    while start_ns is None and time.monotonic() < deadline:
+        select.select([link.control_fd], [], [], 1.0)
+        command, value = link.command_nowait()
+        if command == "stop":
+            worker.client.close()
+            return EXIT_OK
+        if command == "start":
+            start_ns = value
+    if start_ns is None:
+        worker.client.abort()
+        return EXIT_WORKER_FAILED
+    try:
+        worker.run(link, start_ns)
+        if isinstance(worker, Publisher):
+            worker.finish(link, start_ns, cfg.drain_idle_s)
+        else:
+            worker.finish(link, start_ns)
+    except (ClientError, AmqpError, OSError) as exc:
+        worker.client.abort()
+        worker.report(link, "final", start_ns, time.monotonic_ns())
+        link.send("error", error=str(exc))
+        return EXIT_WORKER_FAILED
+    return EXIT_OK
+
+
+def _spawn(name: str, cfg: LoadConfig, index: int, others: list[WorkerProcess]) -> WorkerProcess:
     report_r, report_w = os.pipe()
-    stop_r, stop_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
+    control_r, control_w = os.pipe()
+    parent = os.getpid()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        for fd in (report_r, report_w, control_r, control_w):
+            os.close(fd)
+        raise
+    if pid == 0:                                     # the worker
+        code = EXIT_WORKER_FAILED
         try:
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            if os.getppid() != parent:               # the harness died before prctl took effect
+                os._exit(code)
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            os.close(report_r)
-            os.close(stop_w)
-            code = target(*args(report_w, stop_r))
-        except BaseException:
-            traceback.print_exc()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            for fd in [report_r, control_w] + [f for w in others for f in (w.report_fd, w.control_fd)]:
+                os.close(fd)
+            code = _worker_main(name, cfg, index, WorkerLink(name, report_w, control_r))
+        except BaseException as exc:                 # nothing may escape into the harness's code
+            try:
+                os.write(report_w, f'{{"event":"error","worker":"{name}","error":"{type(exc).__name__}"}}\n'
+                         .encode())
+            except OSError:
+                pass
         finally:
             os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.close(report_w)
-    os.close(stop_r)
-    return pid, report_r, stop_w
+    os.close(control_r)
+    return WorkerProcess(name, pid, report_r, control_w)
 
 
-def run_load(cfg: LoadConfig, on_second=None) -> LoadResult:
-    from pipeline.loadgen.consumer import consumer_main
-    from pipeline.loadgen.publisher import publisher_main
-
-    start_ns = time.monotonic_ns() + START_DELAY_NS
-    workers: list[Worker] = []
-    try:
-        queues = cfg.target_queues
-        for i in range(cfg.consumers):
-            q = queues[i % len(queues)]
-            pid, rfd, sfd = _fork_worker(consumer_main, lambda rw, sr, i=i, q=q: (cfg, i, rw, sr, start_ns, q))
-            workers.append(Worker("consumer", i, pid, rfd, sfd))
-        for i in range(cfg.producers):
-            pid, rfd, sfd = _fork_worker(publisher_main, lambda rw, sr, i=i: (cfg, i, rw, sr, start_ns))
-            workers.append(Worker("publisher", i, pid, rfd, sfd))
-        return _collect(cfg, workers, start_ns, on_second)
-    finally:
-        for w in workers:
-            for fd in (w.report_fd, w.stop_fd):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        deadline = time.monotonic() + 5
-        for w in workers:
-            while time.monotonic() < deadline:
-                done, _ = os.waitpid(w.pid, os.WNOHANG)
-                if done:
-                    break
-                time.sleep(0.01)
-            else:
-                try:
-                    os.kill(w.pid, signal.SIGKILL)
-                    os.waitpid(w.pid, 0)
-                except (ProcessLookupError, ChildProcessError):
-                    pass
-
-
-def _read(workers: list[Worker], timeout_s: float) -> None:
-    live = {w.report_fd: w for w in workers if not w.final}
+def _read_reports(workers: list[WorkerProcess], book: ReportBook | None, timeout_s: float,
+                  early: list[dict] | None = None) -> None:
+    """Wait up to ``timeout_s`` for reports and take in all that came; records before the book go to ``early``."""
+    live = {w.report_fd: w for w in workers if w.open}
     if not live:
         time.sleep(max(0.0, timeout_s))
         return
@@ -144,135 +343,164 @@ def _read(workers: list[Worker], timeout_s: float) -> None:
         w = live[fd]
         data = os.read(fd, 65536)
         if not data:
-            w.final = True
+            w.open = False
+            if book is not None:
+                book.ended(w.name, "died without a final report" + _exit_note(w))
+            elif early is not None:
+                early.append({"event": "error", "worker": w.name, "error": "died before it was ready" + _exit_note(w)})
             continue
-        w.buf += data
-        while b"\n" in w.buf:
-            line, _, w.buf = w.buf.partition(b"\n")
-            msg = json.loads(line)
-            w.latest = {**w.latest, **msg}
-            if "second" in msg:
-                w.reports[msg["second"]] = msg
-            if msg.get("final"):
-                w.final = True
+        records, used = decode_records(w.buffer + data)
+        w.buffer = (w.buffer + data)[used:]
+        for record in records:
+            if record["event"] == "ready":
+                w.ready = True
+            elif book is not None:
+                book.add(record)
+            elif early is not None:
+                early.append(record)
 
 
-def _total(workers, role: str, key: str) -> int:
-    return sum(w.latest.get(key, 0) for w in workers if w.role == role)
+def _exit_note(w: WorkerProcess) -> str:
+    try:
+        pid, status = os.waitpid(w.pid, os.WNOHANG)
+    except ChildProcessError:
+        return ""
+    if pid:
+        w.exit_code = os.waitstatus_to_exitcode(status)
+        return f" (exit code {w.exit_code})"
+    return ""
 
 
-def _second(workers, k: int, prev: dict, elapsed_s: float) -> SecondReport:
-    reports = [w.reports.get(k) or w.latest for w in workers]
-    pubs = [r for w, r in zip(workers, reports) if w.role == "publisher"]
-    cons = [r for w, r in zip(workers, reports) if w.role == "consumer"]
-    sent = sum(r.get("sent", 0) for r in pubs)
-    confirmed = sum(r.get("confirmed", 0) for r in pubs)
-    received = sum(r.get("received", 0) for r in cons)
-    dt = max(1e-9, elapsed_s - prev.get("elapsed", 0.0))
-    rep = SecondReport(
-        time_s=elapsed_s,
-        sent_rate=(sent - prev.get("sent", 0)) / dt,
-        confirmed_rate=(confirmed - prev.get("confirmed", 0)) / dt,
-        received_rate=(received - prev.get("received", 0)) / dt,
-        nacked=sum(r.get("nacked", 0) for r in pubs), returned=sum(r.get("returned", 0) for r in pubs),
-        consumer=latency.summary(latency.merge(r.get("consumer_hist", "") for r in cons
-                                               if w_is_fresh(r, k))),
-        confirm=latency.summary(latency.merge(r.get("confirm_hist", "") for r in pubs if w_is_fresh(r, k)))
-        if any(r.get("confirm_hist") for r in pubs) else None,
-        blocked=any(r.get("blocked") for r in pubs), published=sent, delivered=received)
-    prev.update(sent=sent, confirmed=confirmed, received=received, elapsed=elapsed_s)
-    return rep
+def _wait_ready(workers: list[WorkerProcess]) -> None:
+    early: list[dict] = []
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while any(w.open and not w.ready for w in workers) and not early:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            late = [w.name for w in workers if not w.ready]
+            raise WorkerFailed(f"{', '.join(late)} not ready after {READY_TIMEOUT_S:.0f} s")
+        _read_reports(workers, None, min(left, 0.5), early)
+    errors = [f"{r['worker']}: {r.get('error')}" for r in early if r["event"] == "error"]
+    if errors:
+        raise WorkerFailed("; ".join(errors))
 
 
-def w_is_fresh(report: dict, k: int) -> bool:
-    return report.get("second") == k
+def _send(workers: list[WorkerProcess], data: bytes) -> None:
+    for w in workers:
+        try:
+            os.write(w.control_fd, data)
+        except OSError:
+            pass                                     # it already ended; its report pipe says so
 
 
-def _collect(cfg: LoadConfig, workers: list[Worker], start_ns: int, on_second) -> LoadResult:
-    hist_consumer = latency.new_histogram()
-    hist_confirm = latency.new_histogram()
+def _reap(workers: list[WorkerProcess]) -> None:
+    for w in workers:
+        for fd in (w.report_fd, w.control_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+    deadline = time.monotonic() + REAP_TIMEOUT_S
+    for w in workers:
+        if w.exit_code is not None:
+            continue
+        while True:
+            try:
+                pid, _ = os.waitpid(w.pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid:
+                break
+            if time.monotonic() >= deadline:
+                os.kill(w.pid, signal.SIGKILL)
+                os.waitpid(w.pid, 0)
+                break
+            time.sleep(0.01)
+
+
+def _run_id() -> str:
+    now = time.time()
+    return f"test-{time.strftime('%H%M%S', time.localtime(now))}-{int(now * 1000) % 1000:03d}"
+
+
+def run_load(cfg: LoadConfig, on_second=None) -> LoadResult:
+    """Run ``cfg``'s load against the broker at ``cfg.host:cfg.port``.
+
+    ``on_second(SecondReport)`` is called once a second of the producing
+    window; if it returns a true value, publishing stops there (early).
+
+    Raises WorkerFailed if a worker cannot connect or set up; a worker that
+    fails later is listed in ``LoadResult.errors`` and the run carries on.
+    """
+    workers: list[WorkerProcess] = []
+    try:
+        consumers = []
+        for i in range(cfg.consumers):
+            consumers.append(_spawn(f"consumer-{i}", cfg, i, workers))
+            workers.append(consumers[-1])
+        _wait_ready(consumers)
+        producers = []
+        for i in range(cfg.producers):
+            producers.append(_spawn(f"publisher-{i}", cfg, i, workers))
+            workers.append(producers[-1])
+        _wait_ready(producers)
+        start_ns = time.monotonic_ns()
+        book = ReportBook(cfg, start_ns, [w.name for w in workers], _run_id())
+        _send(workers, encode_start(start_ns))
+        seconds = _produce(cfg, workers, book, start_ns, on_second)
+        _send(producers, encode_stop())
+        _until(lambda: all(not w.open or w.name in book.gone for w in producers),
+               workers, book, cfg.drain_idle_s + FINAL_TIMEOUT_S)
+        _drain(cfg, workers, book)
+        _send(consumers, encode_stop())
+        _until(lambda: all(not w.open or w.name in book.gone for w in consumers), workers, book, FINAL_TIMEOUT_S)
+        return book.result(seconds)
+    finally:
+        _reap(workers)
+
+
+def _produce(cfg: LoadConfig, workers, book: ReportBook, start_ns: int, on_second) -> list[SecondReport]:
+    """The producing window: cut and hand out each second (until ``on_second`` returns true)."""
     seconds: list[SecondReport] = []
-    prev: dict = {}
-    stop_ns = start_ns + int(cfg.duration_s * 1e9)
+    stop_ns = start_ns + int(cfg.duration_s * NS_PER_S)
+    last_k = int(cfg.duration_s) - 1                 # the last whole second inside the window
     k = 0
-    stopped_publishers = False
-    produced_at_stop = None
-    last_progress = (time.monotonic(), -1)
-    drain_deadline = None
     while True:
         now = time.monotonic_ns()
-        boundary = start_ns + (k + 1) * 1_000_000_000
-        live = [w for w in workers if not w.final]
-        have_all = all(k in w.reports or w.final for w in workers)
-        if now >= boundary and (have_all or now >= boundary + 400_000_000):
-            rep = _second(workers, k, prev, (k + 1) * 1.0)
-            for w in workers:
-                r = w.reports.get(k)
-                if r:
-                    if r.get("consumer_hist"):
-                        hist_consumer.add(latency.decode(r["consumer_hist"]))
-                    if r.get("confirm_hist"):
-                        hist_confirm.add(latency.decode(r["confirm_hist"]))
-            if not stopped_publishers:
-                seconds.append(rep)
-                if on_second is not None and on_second(rep) is True:
-                    stop_ns = min(stop_ns, time.monotonic_ns())   # the caller has seen enough
+        boundary = start_ns + (k + 1) * NS_PER_S
+        if k <= last_k and now >= boundary and (book.has_second(k) or now >= boundary + SECOND_GRACE_NS):
+            seconds.append(book.second(k))
             k += 1
+            if on_second is not None and on_second(seconds[-1]):
+                break                                # the caller has seen enough: stop early
             continue
-        if not stopped_publishers and now >= stop_ns:
-            for w in workers:
-                if w.role == "publisher":
-                    os.write(w.stop_fd, b"x")
-            stopped_publishers = True
-            produced_at_stop = (_total(workers, "publisher", "sent"), _total(workers, "consumer", "received"),
-                                (now - start_ns) / 1e9)
-        if stopped_publishers:
-            pubs_done = all(w.final for w in workers if w.role == "publisher")
-            if pubs_done:
-                published = _total(workers, "publisher", "sent")
-                received = _total(workers, "consumer", "received")
-                if received != last_progress[1]:
-                    last_progress = (time.monotonic(), received)
-                if drain_deadline is None:
-                    drain_deadline = time.monotonic() + cfg.drain_timeout_s
-                stalled = time.monotonic() - last_progress[0] > NO_PROGRESS_S
-                if received >= published or stalled or time.monotonic() > drain_deadline or not cfg.consumers:
-                    for w in workers:
-                        if w.role == "consumer" and not w.final:
-                            os.write(w.stop_fd, b"x")
-                    end = time.monotonic() + 5
-                    while any(not w.final for w in workers) and time.monotonic() < end:
-                        _read(workers, 0.1)
-                    break
-        if not live:
+        if now >= stop_ns and k > last_k:
             break
-        wait_ns = min(boundary, stop_ns if not stopped_publishers else boundary) - now
-        _read(workers, min(0.1 if stopped_publishers else 1.0, max(0.0, wait_ns / 1e9)))
-    for w in workers:
-        for r in (w.latest,):
-            if r.get("second") not in w.reports and r.get("consumer_hist"):
-                hist_consumer.add(latency.decode(r["consumer_hist"]))
-            if r.get("second") not in w.reports and r.get("confirm_hist"):
-                hist_confirm.add(latency.decode(r["confirm_hist"]))
-    published = _total(workers, "publisher", "sent")
-    delivered = _total(workers, "consumer", "received")
-    nacked = _total(workers, "publisher", "nacked")
-    pub_at_stop, rec_at_stop, window_s = produced_at_stop or (published, delivered, cfg.duration_s)
-    events = []
-    for w in workers:
-        for r in w.reports.values():
-            for at_ns, what in r.get("blocked_events", []):
-                events.append({"at_s": (at_ns - start_ns) / 1e9, "worker": f"{w.role}-{w.index}", "event": what})
-    errors = [f"{w.role}-{w.index}: {w.latest['error']}" for w in workers if w.latest.get("error")]
-    lat = {"consumer": latency.summary(hist_consumer)}
-    if cfg.confirm:
-        lat["confirm"] = latency.summary(hist_confirm)
-    return LoadResult(
-        published=published, confirmed=_total(workers, "publisher", "confirmed"), nacked=nacked,
-        returned=_total(workers, "publisher", "returned"), delivered=delivered,
-        lost=max(0, published - nacked - delivered) if cfg.consumers else 0,
-        publish_rate=pub_at_stop / window_s if window_s else 0.0,
-        deliver_rate=rec_at_stop / window_s if window_s else 0.0,
-        latency_us=lat, seconds=seconds, blocked_events=sorted(events, key=lambda e: e["at_s"]),
-        errors=errors, gaps=_total(workers, "consumer", "gaps"),
-        duplicates=_total(workers, "consumer", "duplicates"))
+        if all(not w.open for w in workers):
+            break
+        wake = min(stop_ns, boundary + (0 if now < boundary else SECOND_GRACE_NS))
+        _read_reports(workers, book, min(1.0, max(0, wake - now) / NS_PER_S))
+    book.mark_window()
+    return seconds
+
+
+def _until(done, workers, book: ReportBook, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline and any(w.open for w in workers):
+        _read_reports(workers, book, min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _drain(cfg: LoadConfig, workers, book: ReportBook) -> None:
+    """Let consumers take what is still queued: until all copies arrived or none came for ``drain_idle_s``."""
+    if not cfg.consumers:
+        return
+    seen = book.delivered
+    last_progress = time.monotonic()
+    while book.delivered < book.expected_deliveries():
+        if not any(w.open and w.name.startswith("consumer") for w in workers):
+            return
+        _read_reports(workers, book, 0.2)
+        if book.delivered != seen:
+            seen, last_progress = book.delivered, time.monotonic()
+        elif time.monotonic() - last_progress > cfg.drain_idle_s:
+            return

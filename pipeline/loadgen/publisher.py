@@ -1,243 +1,362 @@
-"""A publisher process: pre-encoded publishes, latency measured from the intended send time.
+"""A publisher process: pre-encoded publishes, latency from the intended send time.
 
-The frames of ``batch`` publishes are encoded once into a template; before
-each write only the 20-byte body header of each message is patched (intended
-send time, sequence, producer id). Unthrottled, a batch's intended time is
-when it was composed, so time spent blocked by TCP back-pressure counts. With
-``rate`` the intended times follow the schedule ``start + i / rate`` whether
-or not the socket let the publisher keep up (no coordinated omission).
+Message body (``BODY_HEAD``, big-endian, then zero padding up to ``size``)::
 
-The socket is non-blocking; the loop waits in ``select`` for room to write,
-for confirms and ``connection.blocked`` frames, for the stop pipe, and for
-the next one-second report.
+    u64 intended send time, ns of time.monotonic_ns | u64 sequence (1, 2, ...) | u32 producer id
+
+``PublishTemplate`` encodes ``batch`` complete publishes (method, content
+header, body frames) back to back once; before each write only the first
+16 body bytes of each slot (time and sequence) are patched with
+``struct.pack_into``. The producer id is written once.
+
+When a message is *intended* to go out (``RateSchedule``):
+- unlimited (-r unset): a batch is intended when it is composed, so the time
+  it then waits for TCP back-pressure from a blocked broker is counted;
+- with a rate: message ``i`` is intended at ``start + i / rate`` whether or
+  not the socket let the publisher keep up — a stalled publisher sends its
+  backlog late and the latency shows it (no coordinated omission).
+
+With confirms (-c N) ``ConfirmTracker`` holds the intended time of each
+unconfirmed sequence (= the channel's delivery tag), never more than N;
+basic.ack / basic.nack (``multiple`` or single) settle them and the confirm
+latency is the ack's arrival minus the intended time. basic.return is
+counted (its content frames are skipped).
+
+The process loop is short: compose a batch if none is in flight, write what
+the socket takes, read what arrived, and wait in ``select`` only when
+neither made progress.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import select
-import socket
 import struct
 import time
+from dataclasses import asdict, dataclass
 
+from ipc.errors import WouldBlock
 from pipeline.amqp import frames
 from pipeline.loadgen import latency
-from pipeline.loadgen.client import BrokerClosed, Client
+from pipeline.loadgen.client import CHANNEL, AmqpClient
 from pipeline.loadgen.config import BODY_HEADER_BYTES, LoadConfig
+from pipeline.loadgen.report import WorkerLink
 
-_BODY_HEAD = struct.Struct("<QQI")
+BODY_HEAD = struct.Struct(">QQI")
+_TIME_SEQ = struct.Struct(">QQ")
+TEMPLATE_MAX_BYTES = 1024 * 1024        # a batch of big messages holds fewer of them
+NS_PER_S = 1_000_000_000
 REPORT_INTERVAL_NS = 1_000_000_000
+CONTROL_POLL_BUSY_NS = 20_000_000
+BASIC_NACK = (60, 120)
+BASIC_RETURN = (60, 50)
+assert BODY_HEAD.size == BODY_HEADER_BYTES
+
+
+class PublishTemplate:
+    """``slots`` encoded publishes of one message shape; ``fill`` patches times and sequences."""
+
+    def __init__(self, slots: int, exchange: str, routing_key: str, props_raw: bytes, body_bytes: int,
+                 frame_max: int, producer_id: int, mandatory: bool = False):
+        if body_bytes < BODY_HEAD.size:
+            raise ValueError(f"a body of {body_bytes} bytes cannot hold the {BODY_HEAD.size}-byte header")
+        body = bytearray(body_bytes)
+        BODY_HEAD.pack_into(body, 0, 0, 0, producer_id)
+        one = frames.encode_publish(CHANNEL, exchange, routing_key, props_raw, bytes(body), frame_max, mandatory)
+        head = frames.encode_publish(CHANNEL, exchange, routing_key, props_raw, b"", frame_max, mandatory)
+        self.message_bytes = len(one)
+        self.body_offset = len(head) + 7           # after the first body frame's own 7-byte head
+        self.slots = max(1, min(slots, TEMPLATE_MAX_BYTES // self.message_bytes))
+        self.buffer = bytearray(one * self.slots)
+
+    def fill(self, first_seq: int, intended_ns: list[int]) -> memoryview:
+        """Patch the first ``len(intended_ns)`` slots with sequences from ``first_seq``; their bytes."""
+        buf = self.buffer
+        pack = _TIME_SEQ.pack_into
+        step = self.message_bytes
+        offset = self.body_offset
+        seq = first_seq
+        for ts in intended_ns:
+            pack(buf, offset, ts, seq)
+            offset += step
+            seq += 1
+        return memoryview(buf)[:len(intended_ns) * step]
+
+
+class RateSchedule:
+    """Intended send times: ``now`` for unlimited publishing, else ``start + i / rate``."""
+
+    def __init__(self, rate: float | None, start_ns: int):
+        self.rate = rate
+        self.start_ns = start_ns
+        self.next_index = 0
+
+    def intended_at(self, index: int) -> int:
+        return self.start_ns + round(index * 1e9 / self.rate)
+
+    def due(self, now_ns: int, limit: int) -> list[int]:
+        """Intended times of the messages due by ``now_ns`` (at most ``limit``); they count as taken."""
+        if limit <= 0:
+            return []
+        if self.rate is None:
+            self.next_index += limit
+            return [now_ns] * limit
+        if now_ns < self.start_ns:
+            return []
+        due_total = int((now_ns - self.start_ns) * self.rate / 1e9) + 1
+        while due_total > 0 and self.intended_at(due_total - 1) > now_ns:
+            due_total -= 1                           # float rounding must never schedule early
+        count = min(limit, due_total - self.next_index)
+        if count <= 0:
+            return []
+        first = self.next_index
+        self.next_index += count
+        return [self.intended_at(i) for i in range(first, first + count)]
+
+    def next_due_ns(self) -> int | None:
+        """When the next message is due; None when publishing is unlimited."""
+        return None if self.rate is None else self.intended_at(self.next_index)
+
+
+class ConfirmTracker:
+    """Unconfirmed publishes by sequence, at most ``window``; acks become confirm latencies."""
+
+    def __init__(self, window: int | None, recorder: latency.LatencyRecorder):
+        self.window = window
+        self.recorder = recorder
+        self.pending: dict[int, int] = {}           # sequence -> intended ns
+        self.lowest = 1                              # no pending sequence is below this
+        self.confirmed = 0
+        self.nacked = 0
+
+    def room(self) -> int:
+        """How many more may be published now (a large number without confirms)."""
+        return (self.window - len(self.pending)) if self.window else 1 << 30
+
+    def published(self, first_seq: int, intended_ns: list[int]) -> None:
+        if self.window:
+            pending = self.pending
+            for i, ts in enumerate(intended_ns):
+                pending[first_seq + i] = ts
+
+    def settle(self, tag: int, multiple: bool, nack: bool, now_ns: int) -> int:
+        """Apply basic.ack / basic.nack ``tag``; how many publishes it settled."""
+        pending = self.pending
+        if multiple:
+            settled = []
+            seq = self.lowest
+            while seq <= tag:
+                ts = pending.pop(seq, None)
+                if ts is not None:
+                    settled.append(ts)
+                seq += 1
+            self.lowest = max(self.lowest, tag + 1)
+        else:
+            ts = pending.pop(tag, None)
+            settled = [] if ts is None else [ts]
+            if tag == self.lowest:
+                self.lowest += 1
+        if nack:
+            self.nacked += len(settled)
+        else:
+            self.confirmed += len(settled)
+            record = self.recorder.record_us
+            for ts in settled:
+                record((now_ns - ts) // 1000)
+        return len(settled)
+
+
+@dataclass(frozen=True)
+class PublisherStatistics:
+    sent: int                     # publishes completely written to the socket
+    confirmed: int
+    nacked: int
+    returned: int
+    unconfirmed: int
+    blocked: bool                 # connection.blocked is in force
+    blocked_count: int
+    blocked_ns: int
 
 
 class Publisher:
-    def __init__(self, cfg: LoadConfig, index: int, report_fd: int, stop_fd: int, start_ns: int):
+    """One publishing connection and its loop."""
+
+    def __init__(self, cfg: LoadConfig, index: int, clock=time.monotonic_ns):
         self.cfg = cfg
         self.index = index
-        self.report_fd = report_fd
-        self.stop_fd = stop_fd
-        self.start_ns = start_ns
-        self.client = Client(cfg.host, cfg.port, frame_max=cfg.frame_max)
-        for q in cfg.target_queues:
-            self.client.queue_declare(q, cfg.queue_durable)
+        self.name = f"publisher-{index}"
+        self.clock = clock
+        self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
+                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock)
+        for q in cfg.queues:
+            self.client.queue_declare(q, cfg.durable)
+        if cfg.fanout:
+            self.client.exchange_declare(cfg.exchange, "fanout", cfg.durable)
+            for q in cfg.queues:
+                self.client.queue_bind(q, cfg.exchange)
+            exchange, routing_key = cfg.exchange, ""
+        else:
+            exchange, routing_key = "", cfg.queue
         if cfg.confirm:
             self.client.confirm_select()
-        self.sock = self.client.sock
-        self.sock.setblocking(False)
-        self.inbuf = bytearray(self.client.unread())
         props = frames.properties_raw(delivery_mode=2 if cfg.persistent else 1)
-        body = bytes(cfg.body_bytes)
-        self.batch = max(1, cfg.batch if cfg.rate is None else 1)
-        self.msg_templates = []
-        self.queues = cfg.target_queues
-        one = frames.encode_publish(1, "", self.queues[0], props, body, self.client.frame_max)
-        self.msg_len = len(one)
-        # the body starts after the method frame, the header frame and its own frame header
-        self.body_at = len(frames.encode_publish(1, "", self.queues[0], props, b"", self.client.frame_max)) + 7
-        self.template = bytearray(one * self.batch)
-        self.seq = 0
+        self.template = PublishTemplate(cfg.batch, exchange, routing_key,
+                                        props, cfg.body_bytes, self.client.frame_max, index, cfg.mandatory)
+        self.recorder = latency.LatencyRecorder()
+        self.confirms = ConfirmTracker(cfg.confirm, self.recorder)
+        self.next_seq = 1
         self.sent = 0
-        self.confirmed = 0
-        self.nacked = 0
         self.returned = 0
-        self.pending: dict[int, int] = {}        # seq -> intended ns (confirm mode)
-        self.lowest = 1
-        self.confirm_counts: dict[int, int] = {}
-        self.confirm_hist = latency.new_histogram()
         self.out = memoryview(b"")
-        self.out_sent = 0
-        self.stopping = False
-        self.blocked = False
-        self.blocked_events: list = list(self.client.blocked_events)
-        self.next_report_ns = start_ns + REPORT_INTERVAL_NS
-        self.second = 0
+        self.out_first_seq = 1
+        self.out_done_bytes = 0
 
-    def compose(self, count: int, intended) -> None:
-        """Fill the first ``count`` template slots; ``intended(i)`` gives message i's intended time."""
-        tmpl = self.template
-        pid = self.index
-        for i in range(count):
-            seq = self.seq + i + 1
-            ts = intended(i)
-            _BODY_HEAD.pack_into(tmpl, i * self.msg_len + self.body_at, ts, seq, pid)
-            if self.cfg.confirm:
-                self.pending[seq] = ts
-        self.seq += count
-        self.out = memoryview(tmpl)[:count * self.msg_len]
-        self.out_sent = 0
+    def statistics(self) -> PublisherStatistics:
+        c = self.client.statistics()
+        return PublisherStatistics(sent=self.sent, confirmed=self.confirms.confirmed, nacked=self.confirms.nacked,
+                                   returned=self.returned, unconfirmed=len(self.confirms.pending),
+                                   blocked=c.blocked, blocked_count=c.blocked_count, blocked_ns=c.blocked_ns)
 
-    def run(self) -> int:
-        cfg = self.cfg
-        rate_interval_ns = int(1e9 / cfg.rate) if cfg.rate else 0
-        next_due = self.start_ns
-        try:
-            while True:
-                now = time.monotonic_ns()
-                if now >= self.next_report_ns:
-                    self.report(now)
-                if self.stopping and not self.out:
-                    break
-                if not self.out and not self.stopping:
-                    room = (cfg.confirm - len(self.pending)) if cfg.confirm else self.batch
-                    room = min(room, self.batch)
-                    if rate_interval_ns:
-                        due = (now - next_due) // rate_interval_ns + 1 if now >= next_due else 0
-                        count = min(room, due)
-                        if count > 0:
-                            base = next_due
-                            self.compose(count, lambda i: base + i * rate_interval_ns)
-                            next_due += count * rate_interval_ns
-                    elif room > 0:
-                        self.compose(room, lambda i, t=now: t)
-                wait_write = bool(self.out)
-                timeout_ns = self.next_report_ns - now
-                if not wait_write and rate_interval_ns and not self.stopping:
-                    timeout_ns = min(timeout_ns, max(0, next_due - now))
-                if wait_write:
-                    self.try_send()
-                    if self.out:
-                        self.wait(True, timeout_ns)
-                    else:
-                        self.read_nowait()
-                else:
-                    self.wait(False, timeout_ns)
-        except BrokerClosed as exc:
-            self.report(time.monotonic_ns(), error=str(exc))
-            return 1
-        self.settle_confirms()
-        self.report(time.monotonic_ns(), final=True)
-        # wait for close-ok: closing earlier, with publishes still unread by a blocked broker,
-        # would reset the connection and the kernel would drop them
-        self.client.close(timeout_s=self.cfg.drain_timeout_s)
-        return 0
+    # -- one step each ------------------------------------------------------------------------
+    def compose(self, schedule: RateSchedule, now_ns: int) -> bool:
+        """Fill the template with the messages due now; False if none are (rate or confirm window)."""
+        room = min(self.template.slots, self.confirms.room())
+        if self.cfg.rate is None and self.cfg.confirm and room < self.template.slots:
+            # a nearly full window: wait for a useful batch unless nothing else is in flight
+            if room < min(self.template.slots, self.cfg.confirm) // 4 and self.confirms.pending:
+                return False
+        times = schedule.due(now_ns, room)
+        if not times:
+            return False
+        self.out = self.template.fill(self.next_seq, times)
+        self.out_first_seq = self.next_seq
+        self.out_done_bytes = 0
+        self.confirms.published(self.next_seq, times)
+        self.next_seq += len(times)
+        return True
 
-    def try_send(self) -> None:
-        try:
-            n = self.sock.send(self.out)
-        except BlockingIOError:
-            return
-        except OSError as exc:
-            raise BrokerClosed(320, f"socket error: {exc}") from None
-        before = self.out_sent // self.msg_len
-        self.out_sent += n
+    def write_nowait(self) -> None:
+        """Write what the socket takes of the batch in flight; WouldBlock when it takes nothing."""
+        n = self.client.send_nowait(self.out)
+        step = self.template.message_bytes
+        before = self.out_done_bytes // step
+        self.out_done_bytes += n
+        self.sent += self.out_done_bytes // step - before
         self.out = self.out[n:]
-        self.sent += self.out_sent // self.msg_len - before
-
-    def wait(self, for_write: bool, timeout_ns: int) -> None:
-        r, w, _ = select.select([self.sock, self.stop_fd], [self.sock] if for_write else [],
-                                [], max(0, timeout_ns) / 1e9)
-        if self.stop_fd in r:
-            self.stopping = True
-        if self.sock in r:
-            self.read_nowait()
 
     def read_nowait(self) -> None:
-        try:
-            data = self.sock.recv(262144)
-        except BlockingIOError:
-            return
-        if not data:
-            raise BrokerClosed(320, "connection closed by the broker")
-        self.inbuf += data
-        buf = self.inbuf
+        """Handle everything the broker sent: confirms, returns, blocked/unblocked, close."""
+        client = self.client
+        client.receive_nowait()
+        now = self.clock()
+        buf = client.buffer
+        next_frame = frames.next_frame
+        method_id = frames.method_id
+        frame_max = client.frame_max
         pos = 0
+        try:
+            while (found := next_frame(buf, pos, frame_max)) is not None:
+                ftype, channel, ps, pe = found
+                pos = pe + 1
+                if ftype == 1:
+                    key = method_id(buf, ps)
+                    if key == frames.BASIC_ACK or key == BASIC_NACK:
+                        tag, multiple = frames.decode_basic_ack(buf, ps, pe)
+                        self.confirms.settle(tag, multiple, key == BASIC_NACK, now)
+                        continue
+                    if key == BASIC_RETURN:
+                        self.returned += 1
+                        continue
+                client.handle_frame(ftype, channel, ps, pe)
+        finally:
+            client.discard(pos)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def run(self, link: WorkerLink, start_ns: int) -> None:
+        """Publish from ``start_ns`` for the configured duration, or until the harness says stop.
+
+        Messages are intended only before ``start + duration``: the publisher
+        ends the window itself, so a late stop command adds nothing.
+        """
+        self.client.set_nonblocking()
+        schedule = RateSchedule(self.cfg.rate, start_ns)
+        stop_ns = start_ns + int(self.cfg.duration_s * NS_PER_S)
+        next_report_ns = start_ns + REPORT_INTERVAL_NS
+        sock_fd = self.client.fileno()
+        poller = select.poll()
+        poller.register(sock_fd, select.POLLIN)
+        poller.register(link.control_fd, select.POLLIN)
+        next_control_ns = 0
         while True:
-            found = frames.next_frame(buf, pos)
-            if found is None:
-                break
-            ftype, _, ps, pe = found
-            pos = pe + 1
-            if ftype != frames.FrameType.METHOD:
-                continue
-            cls, mid = frames.method_id(buf, ps)
-            if (cls, mid) == frames.BASIC_ACK:
-                tag, multiple = frames.decode_basic_ack(buf, ps, pe)
-                self.on_confirm(tag, multiple, False)
-            elif (cls, mid) == (60, 120):
-                tag, multiple = frames.decode_basic_ack(buf, ps, pe)
-                self.on_confirm(tag, multiple, True)
-            elif (cls, mid) == (60, 50):
-                self.returned += 1
-            else:
-                method = frames.decode_method(buf, ps, pe)
-                if method.name == "Connection.Blocked":
-                    self.blocked = True
-                    self.blocked_events.append((time.monotonic_ns(), "blocked:" + method.reason))
-                elif method.name == "Connection.Unblocked":
-                    self.blocked = False
-                    self.blocked_events.append((time.monotonic_ns(), "unblocked"))
-                elif method.name in ("Connection.Close", "Channel.Close"):
-                    raise BrokerClosed(method.reply_code, method.reply_text)
-        del buf[:pos]
-
-    def on_confirm(self, tag: int, multiple: bool, nack: bool) -> None:
-        now_us = time.monotonic_ns() // 1000
-        counts = self.confirm_counts
-        pending = self.pending
-        seqs = range(self.lowest, tag + 1) if multiple else (tag,)
-        for seq in seqs:
-            ts = pending.pop(seq, None)
-            if ts is None:
-                continue
-            if nack:
-                self.nacked += 1
-            else:
-                self.confirmed += 1
-                lat = now_us - ts // 1000
-                counts[lat] = counts.get(lat, 0) + 1
-        while self.lowest <= self.seq and self.lowest not in pending:
-            self.lowest += 1
-
-    def settle_confirms(self, timeout_s: float = 5.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self.pending and time.monotonic() < deadline:
-            r, _, _ = select.select([self.sock], [], [], 0.1)
-            if r:
+            now = self.clock()
+            if now >= next_report_ns:
+                next_report_ns = self.report(link, "second", start_ns, now)
+            if not self.out:
+                if now < stop_ns:
+                    self.compose(schedule, now)
+                elif self.cfg.rate is not None and schedule.next_due_ns() < stop_ns:
+                    self.compose(schedule, stop_ns - 1)      # the last ones due inside the window
+                else:
+                    return                                   # the window is over; ``finish`` settles
+            progressed = False
+            if self.out:
+                try:
+                    self.write_nowait()
+                    progressed = True
+                except WouldBlock:
+                    pass
+            try:
                 self.read_nowait()
+                progressed = True
+            except WouldBlock:
+                pass
+            if not self.out:
+                self.client.tick(now)
+            busy = progressed and (self.out or self.cfg.rate is None)
+            if not busy or now >= next_control_ns:       # busy: look at the control pipe now and then
+                next_control_ns = now + CONTROL_POLL_BUSY_NS
+                if link.command_nowait()[0] == "stop":
+                    return                               # ``finish`` completes the batch in flight
+            if busy:
+                continue
+            deadline = min(next_report_ns, stop_ns) if now < stop_ns else next_report_ns
+            if not self.out and self.confirms.room() > 0:
+                due = schedule.next_due_ns()
+                if due is not None:
+                    deadline = min(deadline, due)
+            beat = self.client.heartbeat.next_deadline_ns()
+            if beat is not None:
+                deadline = min(deadline, beat)
+            poller.modify(sock_fd, select.POLLIN | select.POLLOUT if self.out else select.POLLIN)
+            poller.poll(max(0, deadline - self.clock()) / 1e6)
 
-    def report(self, now: int, final: bool = False, error: str | None = None) -> None:
-        latency.fold(self.confirm_hist, self.confirm_counts)
-        msg = {"role": "publisher", "index": self.index, "second": self.second, "at_ns": now,
-               "sent": self.sent, "confirmed": self.confirmed, "nacked": self.nacked,
-               "returned": self.returned, "blocked": self.blocked, "final": final, "error": error,
-               "confirm_hist": latency.encode(self.confirm_hist) if self.cfg.confirm else "",
-               "blocked_events": self.blocked_events}
-        self.blocked_events = []
-        self.confirm_hist = latency.new_histogram()
-        os.write(self.report_fd, json.dumps(msg).encode() + b"\n")
-        self.second += 1
-        while self.next_report_ns <= now:
-            self.next_report_ns += REPORT_INTERVAL_NS
+    def finish(self, link: WorkerLink, start_ns: int, timeout_s: float) -> None:
+        """After stop: finish the batch in flight, wait for outstanding confirms, report, close."""
+        deadline = time.monotonic() + timeout_s
+        sock_fd = self.client.fileno()
+        while (self.out or self.confirms.pending) and time.monotonic() < deadline:
+            if self.out:
+                try:
+                    self.write_nowait()
+                    continue
+                except WouldBlock:
+                    pass
+            try:
+                self.read_nowait()
+                continue
+            except WouldBlock:
+                pass
+            select.select([sock_fd], [sock_fd] if self.out else [], [], 0.05)
+        self.report(link, "final", start_ns, self.clock())
+        if self.out:
+            self.client.abort()        # a frame is half written; the broker must not take it as whole
+        else:
+            self.client.close(timeout_s=max(1.0, deadline - time.monotonic()))
 
-
-def publisher_main(cfg: LoadConfig, index: int, report_fd: int, stop_fd: int, start_ns: int) -> int:
-    try:
-        pub = Publisher(cfg, index, report_fd, stop_fd, start_ns)
-    except (OSError, BrokerClosed) as exc:
-        os.write(report_fd, json.dumps({"role": "publisher", "index": index, "final": True,
-                                        "error": f"cannot start: {exc}"}).encode() + b"\n")
-        return 1
-    return pub.run()
-
-
-assert BODY_HEADER_BYTES == _BODY_HEAD.size
+    def report(self, link: WorkerLink, event: str, start_ns: int, now: int) -> int:
+        """Send one report; the instant the next one is due."""
+        k = (now - start_ns) // REPORT_INTERVAL_NS - 1
+        hist = {"confirm": latency.encode(self.recorder.take())} if self.cfg.confirm else {}
+        events = [list(e) for e in self.client.take_blocked_events()]
+        link.send(event, k=k, at_ns=now, cpu_s=time.process_time(), stats=asdict(self.statistics()), hist=hist,
+                  blocked_events=events)
+        return start_ns + (k + 2) * REPORT_INTERVAL_NS

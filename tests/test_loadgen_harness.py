@@ -1,0 +1,358 @@
+"""The harness: reports merged into seconds and a result, and real worker processes against a tiny broker.
+
+``EchoBroker`` is a few threads in the test process speaking just enough
+AMQP for the load generator: it acknowledges declares, hands every publish
+to the queue's consumer as a delivery, confirms, and can block a publisher
+with ``connection.blocked`` for a while. Worker processes are forked from
+the test; every test checks that none is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+from pamqp import commands
+
+from pipeline.amqp import frames
+from pipeline.loadgen import latency
+from pipeline.loadgen.config import LoadConfig
+from pipeline.loadgen.harness import ReportBook, WorkerFailed, run_load
+
+S = 1_000_000_000
+
+
+def hist_text(*values: int) -> str:
+    rec = latency.LatencyRecorder()
+    for v in values:
+        rec.record_us(v)
+    return latency.encode(rec.take())
+
+
+def pub(worker, k, at_ns, sent, confirmed=0, nacked=0, returned=0, blocked=False, hist="", events=(), event="second"):
+    return {"event": event, "worker": worker, "k": k, "at_ns": at_ns, "cpu_s": 0.5,
+            "stats": {"sent": sent, "confirmed": confirmed, "nacked": nacked, "returned": returned,
+                      "unconfirmed": 0, "blocked": blocked, "blocked_count": 0, "blocked_ns": 0},
+            "hist": {"confirm": hist} if hist else {}, "blocked_events": [list(e) for e in events]}
+
+
+def con(worker, k, at_ns, received, hist="", stale=0, gaps=0, event="second"):
+    return {"event": event, "worker": worker, "k": k, "at_ns": at_ns, "cpu_s": 0.25,
+            "stats": {"received": received, "stale": stale, "gaps": gaps, "duplicates": 0, "acked_tag": received},
+            "hist": {"consumer": hist}}
+
+
+# -- merging -------------------------------------------------------------------------------------
+def book(**cfg) -> ReportBook:
+    return ReportBook(LoadConfig(**cfg), start_ns=10 * S, workers=["consumer-0", "publisher-0", "publisher-1"])
+
+
+def test_a_second_sums_rates_and_merges_latencies_once_every_worker_reported():
+    b = book(producers=2, confirm=100)
+    b.add(pub("publisher-0", 0, 11 * S, sent=1000, confirmed=900, hist=hist_text(100, 200)))
+    b.add(con("consumer-0", 0, 11 * S, received=1800, hist=hist_text(50, 60, 70)))
+    assert not b.has_second(0)
+    b.add(pub("publisher-1", 0, 11 * S + S // 2, sent=1500, confirmed=1500, hist=hist_text(300),
+              events=[(10 * S + 5, "blocked", "low on memory")]))
+    assert b.has_second(0)
+    rep = b.second(0)
+    assert rep.sent_rate == pytest.approx(1000 + 1000)         # publisher-1 took 1.5 s for its 1500
+    assert rep.confirmed_rate == pytest.approx(900 + 1000)
+    assert rep.received_rate == pytest.approx(1800)
+    assert rep.consumer["count"] == 3 and rep.consumer["max"] == 70
+    assert rep.confirm["count"] == 3 and rep.confirm["max"] == 300
+    assert rep.blocked == {"publisher-0": False, "publisher-1": True}   # blocked at some point that second
+    assert (rep.published, rep.delivered) == (2500, 1800)
+    assert rep.time_s == pytest.approx(1 + 1 / 6)
+
+    b.add(pub("publisher-0", 1, 12 * S, sent=3000, confirmed=2900, nacked=4))
+    b.add(pub("publisher-1", 1, 12 * S + S // 2, sent=2500, confirmed=2500))
+    b.add(con("consumer-0", 1, 12 * S, received=4000))
+    rep = b.second(1)
+    assert rep.sent_rate == pytest.approx(2000 + 1000) and rep.nacked == 4
+    assert rep.consumer["count"] == 0 and rep.blocked == {"publisher-0": False, "publisher-1": False}
+
+
+def test_without_confirms_there_is_no_confirm_latency():
+    b = book(producers=2)
+    b.add(pub("publisher-0", 0, 11 * S, sent=10))
+    assert b.second(0).confirm is None
+
+
+def test_the_result_counts_loss_net_of_nacks_and_returns():
+    b = book(producers=2, confirm=10)
+    b.add(pub("publisher-0", 9, 20 * S, sent=1000, confirmed=990, nacked=10))
+    b.add(pub("publisher-1", 9, 20 * S, sent=2000, confirmed=2000, returned=5))
+    b.add(con("consumer-0", 9, 20 * S, received=2000))
+    b.mark_window()
+    b.add(pub("publisher-0", 10, 21 * S, sent=1000, confirmed=990, nacked=10, event="final"))
+    b.add(pub("publisher-1", 10, 21 * S, sent=2000, confirmed=2000, returned=5, event="final"))
+    b.add(con("consumer-0", 12, 23 * S, received=2980, stale=7, hist=hist_text(1000), event="final"))
+    r = b.result([])
+    assert (r.published, r.confirmed, r.nacked, r.returned, r.delivered) == (3000, 2990, 10, 5, 2980)
+    assert r.lost == 3000 - 10 - 5 - 2980
+    assert r.stale == 7
+    assert r.publish_rate == pytest.approx(300.0)               # over the 10 s window, not the drain
+    assert r.deliver_rate == pytest.approx(200.0)
+    assert r.window_s == pytest.approx(10.0)
+    assert r.latency_us["consumer"]["count"] == 1 and "confirm" in r.latency_us
+    assert latency.decode(r.histograms["consumer"]).get_total_count() == 1
+    assert r.cpu_s == {"publisher-0": 0.5, "publisher-1": 0.5, "consumer-0": 0.25}
+    assert r.errors == ()
+
+
+def test_fan_out_expects_one_copy_per_consumed_queue():
+    b = ReportBook(LoadConfig(consumers=2, queues=["a", "b", "c"]), 0, ["publisher-0", "consumer-0", "consumer-1"])
+    b.add(pub("publisher-0", 0, S, sent=100))
+    b.add(con("consumer-0", 0, S, received=100))
+    b.add(con("consumer-1", 0, S, received=90))
+    assert b.expected_deliveries() == 200                       # queue c has no consumer
+    assert b.result([]).lost == 10
+
+
+def test_a_worker_that_dies_is_reported_and_no_longer_awaited():
+    b = book(producers=2)
+    b.add(pub("publisher-0", 0, 11 * S, sent=10))
+    b.add(con("consumer-0", 0, 11 * S, received=10))
+    b.ended("publisher-1", "died without a final report (exit code -9)")
+    assert b.has_second(0)
+    b.add({"event": "error", "worker": "consumer-0", "error": "broker closed the connection: 320 CONNECTION_FORCED"})
+    assert b.result([]).errors == ("publisher-1: died without a final report (exit code -9)",
+                                   "consumer-0: broker closed the connection: 320 CONNECTION_FORCED")
+
+
+def test_a_clean_end_is_not_an_error():
+    b = book(producers=2)
+    b.add(pub("publisher-0", 0, 11 * S, sent=10, event="final"))
+    b.ended("publisher-0", "pipe closed")
+    assert b.result([]).errors == ()
+
+
+# -- real worker processes against a tiny broker -------------------------------------------------
+class EchoBroker:
+    """Just enough AMQP: declares, consume, confirms; every publish goes to its queue's consumer."""
+
+    def __init__(self, block_after: int | None = None, block_s: float = 0.0):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.block_after = block_after
+        self.block_s = block_s
+        self.lock = threading.Lock()
+        self.consumers: dict[str, tuple] = {}          # queue -> (socket, send lock, consumer tag, [next tag])
+        self.backlog: dict[str, list[tuple]] = {}
+        self.conns: list[socket.socket] = []
+        self.errors: list[BaseException] = []
+        self.closed = False
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        self.listener.settimeout(0.05)
+        while not self.closed:
+            try:
+                conn, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            conn.settimeout(None)
+            self.conns.append(conn)
+            t = threading.Thread(target=self._serve_safely, args=(conn,), daemon=True)
+            self.threads.append(t)
+            t.start()
+
+    def _serve_safely(self, conn) -> None:
+        try:
+            self._serve(conn)
+        except (OSError, EOFError):
+            pass
+        except BaseException as exc:
+            self.errors.append(exc)
+
+    def _serve(self, conn) -> None:
+        buf = bytearray()
+
+        def send(channel, method):
+            conn.sendall(frames.encode_method(channel, method))
+
+        while len(buf) < 8:
+            data = conn.recv(65536)
+            if not data:
+                return
+            buf += data
+        assert bytes(buf[:8]) == frames.PROTOCOL_HEADER
+        del buf[:8]
+        send(0, commands.Connection.Start(mechanisms="PLAIN", locales="en_US"))
+        confirming, published, pending, blocked_once = False, 0, None, False
+        while True:
+            found = frames.next_frame(buf, 0)
+            if found is None:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                buf += data
+                continue
+            ftype, channel, ps, pe = found
+            if ftype == 1:
+                method = frames.decode_method(buf, ps, pe)
+                name = method.name
+                if name == "Connection.StartOk":
+                    send(0, commands.Connection.Tune(channel_max=16, frame_max=131072, heartbeat=0))
+                elif name == "Connection.Open":
+                    send(0, commands.Connection.OpenOk())
+                elif name == "Channel.Open":
+                    send(channel, commands.Channel.OpenOk())
+                elif name == "Queue.Declare":
+                    send(channel, commands.Queue.DeclareOk(method.queue, 0, 0))
+                elif name == "Basic.Qos":
+                    send(channel, commands.Basic.QosOk())
+                elif name == "Confirm.Select":
+                    confirming = True
+                    send(channel, commands.Confirm.SelectOk())
+                elif name == "Basic.Consume":
+                    send(channel, commands.Basic.ConsumeOk("ctag-" + method.queue))
+                    with self.lock:
+                        self.consumers[method.queue] = (conn, threading.Lock(), "ctag-" + method.queue, [1])
+                        waiting = self.backlog.pop(method.queue, [])
+                    for message in waiting:
+                        self._deliver(*message)
+                elif name == "Basic.Publish":
+                    pending = [method.routing_key, None, b""]
+                elif name == "Connection.Close":
+                    send(0, commands.Connection.CloseOk())
+                    return
+            elif ftype == 2 and pending is not None:
+                size, props = frames.decode_content_header(buf, ps, pe)
+                pending[1] = props
+                pending.append(size)
+            elif ftype == 3 and pending is not None:
+                pending[2] += bytes(buf[ps:pe])
+                if len(pending[2]) == pending[3]:
+                    self._deliver(pending[0], pending[1], pending[2])
+                    published += 1
+                    pending = None
+                    if confirming:
+                        conn.sendall(frames.encode_basic_ack(1, published, False))
+                    if self.block_after and published == self.block_after and not blocked_once:
+                        blocked_once = True
+                        send(0, commands.Connection.Blocked("low on memory"))
+                        time.sleep(self.block_s)                   # reads nothing: TCP back-pressure
+                        send(0, commands.Connection.Unblocked())
+            del buf[:pe + 1]
+
+    def _deliver(self, queue, props, body) -> None:
+        with self.lock:
+            consumer = self.consumers.get(queue)
+            if consumer is None:
+                self.backlog.setdefault(queue, []).append((queue, props, body))
+                return
+        conn, send_lock, ctag, tag = consumer
+        with send_lock:
+            conn.sendall(frames.encode_deliver(1, ctag, tag[0], False, "", queue, props, body, 131072))
+            tag[0] += 1
+
+    def close(self) -> None:
+        self.closed = True
+        self.threads[0].join(5)
+        self.listener.close()
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+        for t in self.threads:
+            t.join(5)
+        assert not self.errors, self.errors
+
+
+def our_children() -> list:
+    import psutil
+    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def echo_broker():
+    brokers = []
+
+    def start(**kwargs) -> EchoBroker:
+        brokers.append(EchoBroker(**kwargs))
+        return brokers[-1]
+
+    yield start
+    for b in brokers:
+        b.close()
+    assert our_children() == []
+
+
+@pytest.mark.processes
+def test_a_rated_run_delivers_everything_and_reports_each_second(echo_broker):
+    broker = echo_broker()
+    cfg = LoadConfig(rate=500, size=100, confirm=50, duration_s=2, port=broker.port, queue="lg-test")
+    seen = []
+    result = run_load(cfg, on_second=seen.append)
+    assert list(result.seconds) == seen and len(seen) == 2
+    assert [round(rep.time_s) for rep in seen] == [1, 2]
+    assert 450 <= seen[0].sent_rate <= 550 and 450 <= seen[1].received_rate <= 550
+    assert result.published == 1000                         # intended at start + i / 500 s, inside 2 s
+    assert result.delivered == result.confirmed == result.published, result
+    assert (result.lost, result.gaps, result.duplicates, result.stale, result.errors) == (0, 0, 0, 0, ())
+    assert result.latency_us["consumer"]["count"] == result.delivered
+    assert result.latency_us["confirm"]["count"] == result.confirmed
+    assert 450 <= result.publish_rate <= 550
+    assert set(result.cpu_s) == {"publisher-0", "consumer-0"}
+
+
+@pytest.mark.processes
+def test_a_blocked_publisher_shows_in_events_flags_and_latency(echo_broker):
+    broker = echo_broker(block_after=100, block_s=1.2)
+    cfg = LoadConfig(rate=500, size=100, duration_s=3, port=broker.port, queue="lg-test")
+    result = run_load(cfg)
+    (t_block, what1, reason), (t_unblock, what2, _) = result.blocked_events["publisher-0"]
+    assert (what1, reason, what2) == ("blocked", "low on memory", "unblocked")
+    assert 1.1 <= t_unblock - t_block <= 2.0
+    assert any(rep.blocked["publisher-0"] for rep in result.seconds)
+    # messages due while the broker read nothing count their wait: no coordinated omission
+    assert result.latency_us["consumer"]["max"] >= 1_000_000
+    assert result.lost == 0 and result.delivered == result.published
+
+
+@pytest.mark.processes
+def test_on_second_can_end_the_run_early(echo_broker):
+    broker = echo_broker()
+    cfg = LoadConfig(rate=200, duration_s=60, port=broker.port, queue="lg-test")
+    started = time.monotonic()
+    result = run_load(cfg, on_second=lambda rep: True)
+    assert time.monotonic() - started < 15
+    assert len(result.seconds) == 1 and result.lost == 0 and 150 <= result.published <= 260
+
+
+@pytest.mark.processes
+def test_a_worker_killed_mid_run_is_reported_and_the_run_finishes(echo_broker):
+    import psutil
+    broker = echo_broker()
+    cfg = LoadConfig(rate=200, duration_s=2, port=broker.port, queue="lg-test")
+
+    def kill_publisher(rep):
+        if rep.time_s < 1.5:
+            newest = max(our_children(), key=lambda p: (p.create_time(), p.pid))
+            newest.kill()                                      # publishers start after consumers
+            psutil.wait_procs([newest], timeout=5)
+
+    result = run_load(cfg, on_second=kill_publisher)
+    assert len(result.errors) == 1
+    assert result.errors[0].startswith("publisher-0: died without a final report")
+    assert result.delivered >= 150
+
+
+@pytest.mark.processes
+def test_a_broker_that_is_not_there_fails_the_start_with_the_reason():
+    probe = socket.create_server(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(WorkerFailed, match=f"consumer-0: cannot start: cannot connect to 127.0.0.1:{port}"):
+        run_load(LoadConfig(port=port, duration_s=1))
+    assert our_children() == []
