@@ -1,8 +1,8 @@
-"""Errors of the alarms package."""
+"""Errors of the alarms package: one root, and what each one means."""
 
 
 class AlarmError(Exception):
-    """Raised for any failure inside the alarms package (root of its errors)."""
+    """Raised when anything in the alarms package fails (root of its errors)."""
 
 
 class InvalidLimit(AlarmError, ValueError):
@@ -11,3 +11,11 @@ class InvalidLimit(AlarmError, ValueError):
 
 class ProbeError(AlarmError):
     """Raised when a memory or disk reading fails; the watchdog logs it and raises no alarm."""
+
+
+class UnknownSource(AlarmError, ValueError):
+    """Raised when an alarm source is neither 'memory' nor 'disk'."""
+
+
+class UnknownStrategy(AlarmError, ValueError):
+    """Raised when a memory strategy is neither 'rss' nor 'system'."""

@@ -1,111 +1,128 @@
-"""Memory watermark and disk limit parsing, edges, intervals and RabbitMQ's wording (pure)."""
+"""Memory watermarks and disk free limits are read as RabbitMQ reads them, and bad ones are refused."""
 
 from __future__ import annotations
 
 import pytest
 
-from alarms.errors import InvalidLimit
-from alarms.limits import DiskLimit, MemoryLimit, parse_disk_free_limit, parse_memory_watermark, parse_size
-from alarms.watchdog import WatchdogCore
-from alarms.watermark import (Watermark, alarm_cleared_line, alarm_set_lines, disk_alarmed, disk_interval_ms,
-                              memory_alarmed)
+from alarms.errors import AlarmError, InvalidLimit
+from alarms.limits import (DEFAULT_DISK_FREE_LIMIT_BYTES, DEFAULT_MEMORY_WATERMARK, MEMORY_POLL_INTERVAL_MS,
+                           DiskLimit, MemoryLimit, parse_disk_free_limit, parse_memory_watermark, parse_size)
 
-GIB = 1024 ** 3
+KIB, MIB, GIB, TIB = 1024, 1024 ** 2, 1024 ** 3, 1024 ** 4
 
 
-@pytest.mark.parametrize("text, limit", [
-    ("0.4", MemoryLimit(relative=0.4)), ("0", MemoryLimit(relative=0.0)), ("1", MemoryLimit(relative=1.0)),
-    ("512MiB", MemoryLimit(absolute_bytes=512 * 1024 ** 2)), ("50MB", MemoryLimit(absolute_bytes=50_000_000)),
-    ("absolute 1GiB", MemoryLimit(absolute_bytes=GIB)), ("2048", MemoryLimit(absolute_bytes=2048)),
+def test_defaults_are_rabbitmqs_except_the_faster_memory_poll():
+    assert DEFAULT_MEMORY_WATERMARK == 0.6
+    assert DEFAULT_DISK_FREE_LIMIT_BYTES == 50_000_000
+    assert MEMORY_POLL_INTERVAL_MS == 100
+
+
+@pytest.mark.parametrize("text, size", [
+    ("2048", 2048), (2048, 2048), ("0", 0), ("10B", 10),
+    ("1kB", 1000), ("1KB", 1000), ("1kb", 1000), ("1Kb", 1000), ("1k", 1000), ("1K", 1000),
+    ("50MB", 50_000_000), ("50mb", 50_000_000), ("50Mb", 50_000_000), ("50M", 50_000_000),
+    ("2GB", 2_000_000_000), ("2G", 2_000_000_000), ("3TB", 3 * 10 ** 12), ("3T", 3 * 10 ** 12),
+    ("1KiB", KIB), ("1kiB", KIB), ("1kib", KIB), ("1KIB", KIB), ("1Ki", KIB), ("1ki", KIB),
+    ("70MiB", 73_400_320), ("70mib", 73_400_320), ("70MIB", 73_400_320), ("70Mi", 73_400_320),
+    ("1GiB", GIB), ("1gib", GIB), ("1Gi", GIB), ("2TiB", 2 * TIB), ("2Ti", 2 * TIB),
+    (" 50MB ", 50_000_000),
 ])
-def test_memory_watermarks_parse(text, limit):
-    assert parse_memory_watermark(text) == (limit, [])
+def test_sizes_in_every_spelling_rabbitmq_accepts(text, size):
+    assert parse_size(text) == size
 
 
-def test_relative_above_one_is_clamped_with_rabbitmqs_warning():
-    limit, warnings = parse_memory_watermark("1.5")
+@pytest.mark.parametrize("text, reason", [
+    ("1.5GiB", "whole number"), ("5furlongs", "unknown unit 'furlongs'"), ("50 MB", "right after the number"),
+    ("12 parsecs", "unknown unit 'parsecs'"), ("mB", "expected a whole number"), ("-5MB", "expected a whole number"),
+    ("", "expected a whole number"), ("5mIB", "unknown unit 'mIB'"), (-1, "must not be negative"),
+])
+def test_bad_sizes_are_refused_with_the_reason(text, reason):
+    with pytest.raises(InvalidLimit, match=reason):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("value, limit", [
+    ("0.4", MemoryLimit(relative=0.4)), (0.6, MemoryLimit(relative=0.6)), (".5", MemoryLimit(relative=0.5)),
+    ("0", MemoryLimit(relative=0.0)), ("1", MemoryLimit(relative=1.0)), (1, MemoryLimit(relative=1.0)),
+    ("1.0", MemoryLimit(relative=1.0)), ("relative 0.3", MemoryLimit(relative=0.3)),
+    ("{relative, 0.3}", MemoryLimit(relative=0.3)),
+    ("512MiB", MemoryLimit(absolute_bytes=512 * MIB)), ("50MB", MemoryLimit(absolute_bytes=50_000_000)),
+    ("1GB", MemoryLimit(absolute_bytes=1_000_000_000)), ("2048", MemoryLimit(absolute_bytes=2048)),
+    (2048, MemoryLimit(absolute_bytes=2048)), ("absolute 1GiB", MemoryLimit(absolute_bytes=GIB)),
+    ("absolute:1GiB", MemoryLimit(absolute_bytes=GIB)), ('{absolute, "1024MiB"}', MemoryLimit(absolute_bytes=GIB)),
+    ("ABSOLUTE 2048", MemoryLimit(absolute_bytes=2048)),
+])
+def test_memory_watermarks_relative_or_absolute(value, limit):
+    assert parse_memory_watermark(value) == (limit, [])
+
+
+@pytest.mark.parametrize("value, shown", [("1.5", "1.5"), (1.5, "1.5"), ("1.01", "1.01"), ("relative 3.0", "3.0")])
+def test_a_fraction_above_one_is_clamped_with_rabbitmqs_warning(value, shown):
+    limit, warnings = parse_memory_watermark(value)
     assert limit == MemoryLimit(relative=1.0)
-    assert warnings == ["Memory high watermark of 1.5 is above the allowed maximum, falling back to 1.0"]
+    assert warnings == [f"Memory high watermark of {shown} is above the allowed maximum, falling back to 1.0"]
 
 
-@pytest.mark.parametrize("text", ["lots", "-0.2", "12 parsecs", "nan"])
-def test_invalid_watermarks_are_refused(text):
-    with pytest.raises(InvalidLimit, match="invalid"):
-        parse_memory_watermark(text)
+@pytest.mark.parametrize("value, reason", [
+    ("lots", "invalid memory watermark 'lots': expected a fraction of RAM"),
+    ("-0.2", "invalid memory watermark '-0.2'"), ("nan", "invalid memory watermark 'nan'"),
+    (float("nan"), "invalid memory watermark 'nan'"), (float("inf"), "invalid memory watermark 'inf'"),
+    ("1e400", "invalid memory watermark '1e400'"), (-0.5, "invalid memory watermark '-0.5'"),
+    ("", "invalid memory watermark ''"), ("absolute", "invalid memory watermark 'absolute'"),
+    ("absolute 1.5GB", "whole number"), ("12 parsecs", "unknown unit 'parsecs'"),
+    ("mem_relative:0.5", "mem_relative is a disk free limit form"), (True, "invalid memory watermark True"),
+])
+def test_invalid_watermarks_are_refused_not_replaced(value, reason):
+    with pytest.raises(InvalidLimit, match=reason) as info:
+        parse_memory_watermark(value)
+    assert "\n" not in str(info.value)                  # one line, for the command line's exit-2 message
+    assert isinstance(info.value, AlarmError) and isinstance(info.value, ValueError)
 
 
-def test_limits_in_bytes():
+def test_memory_limit_in_bytes_truncates_and_never_exceeds_the_ram():
     assert MemoryLimit(relative=0.5).bytes_for(1001) == 500
+    assert MemoryLimit(relative=0.6).bytes_for(25_276_514_304) == 15_165_908_582
+    assert MemoryLimit(relative=0.0).bytes_for(GIB) == 0
     assert MemoryLimit(absolute_bytes=10 * GIB).bytes_for(GIB) == GIB
-    assert parse_size("70MiB") == 73_400_320 and parse_size("50MB") == 50_000_000
-    assert parse_disk_free_limit("50MB") == DiskLimit(absolute_bytes=50_000_000)
-    assert parse_disk_free_limit("mem_relative:1.5").bytes_for(1000) == 1500
-    assert parse_disk_free_limit("1.5") == DiskLimit(mem_relative=1.5)
-    with pytest.raises(InvalidLimit, match="unknown unit"):
-        parse_disk_free_limit("5 furlongs")
+    assert MemoryLimit(absolute_bytes=MIB).bytes_for(GIB) == MIB
 
 
-def test_conditions_are_strict_and_edges_fire_once():
-    assert not memory_alarmed(100, 100) and memory_alarmed(101, 100)
-    assert not disk_alarmed(100, 100) and disk_alarmed(99, 100)
-    w = Watermark("memory")
-    assert w.update(True).edge == "set"
-    assert w.update(True) is None
-    assert w.update(False).edge == "clear"
-    assert w.update(False) is None
+def test_a_limit_holds_exactly_one_form():
+    with pytest.raises(InvalidLimit, match="either"):
+        MemoryLimit()
+    with pytest.raises(InvalidLimit, match="either"):
+        MemoryLimit(relative=0.5, absolute_bytes=10)
+    with pytest.raises(InvalidLimit, match="from 0 to 1.0"):
+        MemoryLimit(relative=1.5)
+    with pytest.raises(InvalidLimit, match="either"):
+        DiskLimit(absolute_bytes=1, mem_relative=1.0)
 
 
-def test_disk_interval_formula():
-    assert disk_interval_ms(50_000_000 + 1_000_000_000, 50_000_000, False) == 8000
-    assert disk_interval_ms(60_000_000, 50_000_000, False) == 100
-    assert disk_interval_ms(10 ** 12, 0, False) == 10_000
-    assert disk_interval_ms(10, 50_000_000, True) == 10_000
-    assert disk_interval_ms(None, 50_000_000, False) == 10_000
+@pytest.mark.parametrize("value, limit", [
+    ("50MB", DiskLimit(absolute_bytes=50_000_000)), ("70MiB", DiskLimit(absolute_bytes=73_400_320)),
+    ("2GB", DiskLimit(absolute_bytes=2_000_000_000)), ("2048", DiskLimit(absolute_bytes=2048)),
+    (2048, DiskLimit(absolute_bytes=2048)), ("1", DiskLimit(absolute_bytes=1)),
+    ("1000000TB", DiskLimit(absolute_bytes=10 ** 18)), ("absolute 1GB", DiskLimit(absolute_bytes=10 ** 9)),
+    ("1.5", DiskLimit(mem_relative=1.5)), (1.5, DiskLimit(mem_relative=1.5)),
+    ("mem_relative:1.5", DiskLimit(mem_relative=1.5)), ("mem_relative 2", DiskLimit(mem_relative=2.0)),
+    ("{mem_relative, 1.0}", DiskLimit(mem_relative=1.0)),
+])
+def test_disk_free_limits_absolute_or_relative_to_ram(value, limit):
+    assert parse_disk_free_limit(value) == limit
 
 
-def test_log_lines_use_rabbitmqs_wording():
-    assert alarm_set_lines("memory", "n@h")[0] == "memory resource limit alarm set on node n@h."
-    assert "*** Publishers will be blocked until this alarm clears ***" in alarm_set_lines("disk", "n@h")
-    assert alarm_cleared_line("disk", "n@h") == "disk resource limit alarm cleared on node n@h"
+def test_disk_limit_in_bytes_rounds_a_multiple_of_ram():
+    assert parse_disk_free_limit("mem_relative:1.5").bytes_for(1001) == 1502      # round(1501.5), as RabbitMQ
+    assert parse_disk_free_limit("1.5").bytes_for(8 * GIB) == 12 * GIB
+    assert parse_disk_free_limit("50MB").bytes_for(1) == 50_000_000               # absolute ignores the RAM
 
 
-def core(watermark="0.5", disk="50MB") -> WatchdogCore:
-    return WatchdogCore(memory_limit=parse_memory_watermark(watermark)[0], disk_limit=parse_disk_free_limit(disk),
-                        total_memory_bytes=1000, node="n@h")
-
-
-def test_set_watermark_zero_alarms_at_once_and_restoring_clears_once():
-    c = core()
-    assert c.poll_memory(100, 0) == []
-    events = [e for e in c.set_memory_limit(MemoryLimit(relative=0.0), 100, 1) if e.kind != "paging"]
-    assert [e.kind for e in events] == ["log", "set"]
-    assert events[1].lines[0] == "vm_memory_high_watermark set. Memory used:100 allowed:0"
-    assert c.poll_memory(100, 2) == []
-    events = [e for e in c.set_memory_limit(MemoryLimit(relative=0.5), 100, 3) if e.kind != "paging"]
-    assert [e.kind for e in events] == ["log", "clear"]
-    assert c.poll_memory(100, 4) == []
-
-
-def test_a_failed_reading_raises_no_alarm_and_says_why():
-    c = core(watermark="0")
-    events = c.poll_memory(None, 0, why="permission denied")
-    assert [e.kind for e in events] == ["log"] and "permission denied" in events[0].lines[0]
-    assert not c.memory.alarmed
-    events = c.poll_disk(None, 0, why="no such directory")
-    assert not c.disk.alarmed and c.disk_interval_ms == 10_000
-
-
-def test_disk_alarm_sets_clears_and_adapts_the_interval():
-    c = core(disk="100")
-    assert c.poll_disk(1_000_100, 0) == [] and c.disk_interval_ms == 100
-    assert [e.kind for e in c.poll_disk(99, 1)] == ["set"] and c.disk_interval_ms == 10_000
-    assert [e.kind for e in c.poll_disk(250_000_100, 2)] == ["clear"] and c.disk_interval_ms == 2000
-
-
-def test_paging_starts_past_half_the_watermark_and_stops_below_it():
-    c = core(watermark="0.5")                    # limit 500 of 1000, paging past 250
-    assert c.poll_memory(200, 0) == []
-    events = c.poll_memory(300, 1)
-    assert [(e.kind, e.values) for e in events] == [("paging", {"on": True})]
-    assert c.poll_memory(400, 2) == []
-    assert [(e.kind, e.values) for e in c.poll_memory(100, 3)] == [("paging", {"on": False})]
+@pytest.mark.parametrize("value, reason", [
+    ("5 furlongs", "unknown unit 'furlongs'"), ("-1MB", "invalid disk free limit '-1MB'"),
+    ("mem_relative:x", "invalid disk free limit 'mem_relative:x'"), ("mem_relative:-1", "mem_relative:-1"),
+    ("1.5.5", "invalid disk free limit '1.5.5'"), ("relative 0.5", "expected a size"),
+    (float("inf"), "invalid disk free limit 'inf'"), ("1.5GB", "whole number"),
+])
+def test_invalid_disk_free_limits_are_refused(value, reason):
+    with pytest.raises(InvalidLimit, match=reason):
+        parse_disk_free_limit(value)
