@@ -142,7 +142,7 @@ def _system_used() -> int:
 @dataclass(frozen=True)
 class BrokerMemoryStatistics:
     strategy: str
-    processes: int
+    measured_processes: int
     pss_reads: int
     rss_reads: int
 

@@ -260,10 +260,12 @@ class _Readings:
 
 
 class _Stop(Exception):
-    """Raised when the loop must end: asked to stop, or the supervisor is gone."""
+    """Raised when the supervisor asks the watchdog to stop."""
 
 
 class _Loop:
+    """Wait in select until a reading is due or a request comes; feed the core; send what it returns."""
+
     def __init__(self, ctl_sock, core: WatchdogCore, readings: _Readings, clock):
         self.ctl = ctl_sock
         self.core = core

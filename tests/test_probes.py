@@ -222,7 +222,7 @@ def test_the_watchdogs_reading_follows_rss_between_pss_refreshes(child):
     c.do(b"T")
     assert reader.read(pids, 2) - before < 0.1 * ALLOC_BYTES
     stats = reader.statistics()
-    assert (stats.pss_reads, stats.rss_reads, stats.processes) == (2, 4, 2)
+    assert (stats.pss_reads, stats.rss_reads, stats.measured_processes) == (2, 4, 2)
 
 
 def test_sharing_that_starts_after_a_refresh_is_counted_once_from_the_next_refresh(child, shared_region):
@@ -240,13 +240,13 @@ def test_sharing_that_starts_after_a_refresh_is_counted_once_from_the_next_refre
     assert abs(reader.read(pids, 2_000_000_000) - probes.broker_memory_bytes(pids, "rss")) < 8 * MIB
 
 
-def test_a_reused_reading_forgets_processes_that_ended(child):
+def test_the_reading_forgets_processes_that_ended(child):
     c = child()
     reader = probes.BrokerMemory("rss")
     reader.read([os.getpid(), c.pid], 0)
-    assert reader.statistics().processes == 2
+    assert reader.statistics().measured_processes == 2
     reader.read([os.getpid()], 1)
-    assert reader.statistics().processes == 1
+    assert reader.statistics().measured_processes == 1
 
 
 def test_reading_ten_processes_is_cheap_between_refreshes(child):
