@@ -22,7 +22,8 @@ Heartbeats: ``tick`` sends one when nothing was sent for half the negotiated
 interval (the caller calls it only between whole frames) and raises
 ``ConnectionLost`` when nothing arrived for two intervals. Negotiation
 follows the Java client: if either side says 0 the other's value wins,
-otherwise the smaller one.
+otherwise the smaller one — except that ``heartbeat_s=0`` here turns
+heartbeats off whatever the broker offers.
 """
 
 from __future__ import annotations

@@ -338,8 +338,10 @@ def _read_reports(workers: list[WorkerProcess], book: ReportBook | None, timeout
     if not live:
         time.sleep(max(0.0, timeout_s))
         return
-    ready, _, _ = select.select(list(live), [], [], max(0.0, timeout_s))
-    for fd in ready:
+    poller = select.poll()                           # not select(): a big run has over 1024 descriptors
+    for fd in live:
+        poller.register(fd, select.POLLIN)
+    for fd, _ in poller.poll(max(0.0, timeout_s) * 1000):
         w = live[fd]
         data = os.read(fd, 65536)
         if not data:
