@@ -111,7 +111,10 @@ def run_demo(args) -> int:
             state["after_resume"] += 1
         view.second(format_line(rep), states_line(status) + f"  | memory {used / MIB:.0f} MiB / watermark "
                     f"{limit / MIB:.0f} MiB{' ALARM' if alarm else ''}, queue {msgs}", status)
-        return phases.all_seen() and state["after_resume"] >= 2
+        done = phases.all_seen() and state["after_resume"] >= 2
+        if done:   # restore the watermark so a re-fired alarm cannot strand the last publishes in TCP buffers
+            ctl.request("set_watermark", value="0.6")
+        return done
 
     def make_load(port: int) -> "LoadConfig":
         return LoadConfig(producers=1, consumers=1, rate=args.rate, size=args.size, prefetch=args.prefetch,

@@ -19,7 +19,7 @@ def test_a_paging_queue_moves_bodies_to_disk_and_delivers_them_in_order(start_br
     for i in range(6000):
         ch.basic_publish("", "pg", b"%06d" % i + b"p" * 994)
     status = broker.wait_for(lambda s: s["processes"]["queue-pg"].get("paged_messages", 0) >= 5000,
-                             what="most of the backlog paged out")
+                             timeout_s=40, what="most of the backlog paged out")
     q = status["processes"]["queue-pg"]
     assert q["paging"] is True and q["paged_out"] >= 5000
     pages = list((broker.data_dir / "paged").iterdir())
@@ -37,7 +37,8 @@ def test_a_paging_queue_moves_bodies_to_disk_and_delivers_them_in_order(start_br
     assert [int(b[:6]) for b in got] == list(range(6000)), "read back in order"
     assert all(b[6:] == b"p" * 994 for b in got)
     status = broker.wait_for(lambda s: s["processes"]["queue-pg"]["paged_messages"] == 0
-                             and s["processes"]["queue-pg"]["paged_acks"] == 0, what="nothing left paged")
+                             and s["processes"]["queue-pg"]["paged_acks"] == 0, timeout_s=30,
+                             what="nothing left paged")
     time.sleep(0.2)
     assert pages[0].stat().st_size == 0, "the page file is emptied once nothing is paged"
     conn.close()
