@@ -46,11 +46,26 @@ def _run_child(cmd_r: int, ack_w: int, shared: mmap.mmap | None) -> None:
 
 
 class Child:
-    """A forked process driven over pipes, so the test decides when it allocates, frees and touches."""
+    """A process driven over pipes, so the test decides when it allocates, frees and touches.
+
+    Without a shared region it is a fresh interpreter: a child forked from a
+    long test run would reuse the parent's inherited, copy-on-write heap and
+    skew the very readings under test. With one it is forked, to share it.
+    """
 
     def __init__(self, shared: mmap.mmap | None = None):
         cmd_r, self.cmd_w = os.pipe()
         self.ack_r, ack_w = os.pipe()
+        if shared is None:
+            code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                    f"import test_probes as t; t._run_child({cmd_r}, {ack_w}, None)")
+            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=(cmd_r, ack_w))
+            self.pid = self.proc.pid
+            os.close(cmd_r)
+            os.close(ack_w)
+            self.do(b"N")            # its loop is running: the baseline includes the interpreter
+            return
+        self.proc = None
         self.pid = os.fork()
         if self.pid == 0:
             code = 1
@@ -75,10 +90,13 @@ class Child:
             os.kill(self.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        try:
-            os.waitpid(self.pid, 0)
-        except ChildProcessError:
-            pass
+        if self.proc is not None:
+            self.proc.wait(10)
+        else:
+            try:
+                os.waitpid(self.pid, 0)
+            except ChildProcessError:
+                pass
         os.close(self.cmd_w)
         os.close(self.ack_r)
 
@@ -185,7 +203,7 @@ def test_missing_pids_are_skipped_and_none_at_all_is_an_error():
 
 def test_memory_a_child_allocates_is_seen_and_memory_it_frees_is_seen_to_go(child):
     c = child()
-    pids = [os.getpid(), c.pid]
+    pids = [c.pid]
     before = probes.broker_memory_bytes(pids, "rss")
     c.do(b"A")
     allocated = probes.broker_memory_bytes(pids, "rss")
