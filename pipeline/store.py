@@ -121,6 +121,7 @@ class Store(Stage):
         if self.first_unsynced_ns is not None:
             self.sync(time.monotonic_ns())
             self.flush_links()
+        self.segments.collect()
         self.segments.close()
         super().shutdown()
 
