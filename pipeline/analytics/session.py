@@ -14,6 +14,7 @@ import os
 import sys
 from typing import Iterator
 
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 DEFAULT_MASTER = "local[*]"
@@ -44,6 +45,8 @@ def new_session(master: str | None = None) -> SparkSession:
 def spark_session(master: str | None = None) -> Iterator[SparkSession]:
     """The active session if there is one, else a new one stopped on exit."""
     active = SparkSession.getActiveSession()
+    if active is None and SparkContext._active_spark_context is not None:
+        active = SparkSession.builder.getOrCreate()   # started in another thread; not ours to stop
     if active is not None:
         yield active
         return
