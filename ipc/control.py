@@ -1,62 +1,100 @@
 """Control messages between the supervisor and a stage (not the hot path).
 
-A unix SOCK_SEQPACKET socketpair: one message is one JSON object in UTF-8 of
-at most ``MAX_CONTROL_BYTES``, optionally carrying file descriptors
-(SCM_RIGHTS), which is how a running stage receives a new peer's inbox and
-doorbell.
+Theory of operation
+-------------------
+The supervisor makes one unix ``SOCK_SEQPACKET`` socketpair per stage before
+forking it. SEQPACKET keeps message boundaries (one ``sendmsg`` is one
+``recvmsg``) and reports the peer's exit as EOF, so a stage that dies is
+noticed. A message is one JSON object, UTF-8, at most ``MAX_CONTROL_BYTES``,
+and may carry up to ``MAX_FDS`` file descriptors (SCM_RIGHTS): that is how a
+running stage receives a new peer's inbox pipe and doorbell. No pickle
+crosses the boundary.
+
+The receiver owns the descriptors it gets: they arrive close-on-exec, and
+when a message turns out corrupt, the ones it carried are closed before
+``CorruptRecord`` is raised, so nothing leaks.
 """
 
 from __future__ import annotations
 
 import array
 import json
+import math
+import os
 import select
 import socket
+import time
+from collections.abc import Sequence
 
-from ipc.errors import CorruptRecord, PeerGone, WouldBlock
+from ipc.errors import ClosedByUs, CorruptRecord, IpcError, PeerGone, WouldBlock
 
 MAX_CONTROL_BYTES = 65536
 MAX_FDS = 8
+_FD_SPACE_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+
+
+class MessageTooLarge(IpcError, ValueError):
+    """Raised when a control message encodes to more than MAX_CONTROL_BYTES or carries more than MAX_FDS fds."""
 
 
 def socketpair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    a.set_inheritable(True)
-    b.set_inheritable(True)
-    return a, b
+    """A connected SOCK_SEQPACKET pair (close-on-exec; a forked stage inherits its end)."""
+    return socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 
 
-def send_msg(sock: socket.socket, msg: dict, fds=()) -> None:
+def _wait(sock: socket.socket, events: int, timeout_s: float | None) -> bool:
+    poller = select.poll()          # poll, not select: descriptors may be numbered past 1024
+    poller.register(sock.fileno(), events)
+    return bool(poller.poll(None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))))
+
+
+def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
+    """Send one message (and ``fds``), waiting while the socket's buffer is full.
+
+    Values JSON cannot encode are sent as their ``str()``. Raises
+    ``MessageTooLarge``, ``PeerGone`` if the other end has closed, ``ClosedByUs``
+    if this end has.
+    """
+    if not isinstance(msg, dict):
+        raise TypeError(f"a control message is a dict, not {type(msg).__name__}")
     data = json.dumps(msg, separators=(",", ":"), default=str).encode()
     if len(data) > MAX_CONTROL_BYTES:
-        raise CorruptRecord(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
-    try:
-        if fds:
-            socket.send_fds(sock, [data], list(fds))
-        else:
-            sock.sendall(data)
-    except BlockingIOError:
-        select.select([], [sock], [])
-        send_msg(sock, msg, fds)
-    except (BrokenPipeError, ConnectionResetError):
-        raise PeerGone("the other end of the control socket is gone") from None
+        raise MessageTooLarge(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
+    if len(fds) > MAX_FDS:
+        raise MessageTooLarge(f"control message carries {len(fds)} fds, more than {MAX_FDS}")
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while True:
+        if sock.fileno() < 0:
+            raise ClosedByUs("control socket used after close()")
+        try:
+            sock.sendmsg([data], ancillary, socket.MSG_NOSIGNAL)
+            return
+        except BlockingIOError:
+            _wait(sock, select.POLLOUT, None)
+        except (BrokenPipeError, ConnectionResetError):
+            raise PeerGone("the other end of the control socket is gone") from None
 
 
-def _decode(data: bytes) -> dict:
-    try:
-        msg = json.loads(data)
-    except ValueError as exc:
-        raise CorruptRecord(f"control message is not JSON: {exc}") from None
-    if not isinstance(msg, dict):
-        raise CorruptRecord("control message is not a JSON object")
-    return msg
+def _close_all(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def recv_msg_nowait(sock: socket.socket) -> tuple[dict, list[int]]:
+    """The next message and the fds it carried (now owned by the caller).
+
+    Raises ``WouldBlock`` if none is waiting, ``PeerGone`` on EOF, and
+    ``CorruptRecord`` if it is not a JSON object or was cut short.
+    """
+    if sock.fileno() < 0:
+        raise ClosedByUs("control socket used after close()")
     try:
-        # socket.recv_fds ignores its flags in Python 3.11, so use recvmsg directly
-        data, ancdata, _flags, _addr = sock.recvmsg(MAX_CONTROL_BYTES, socket.CMSG_SPACE(MAX_FDS * 4),
-                                                    socket.MSG_DONTWAIT)
+        # recvmsg, not socket.recv_fds: the latter drops its flags argument in Python 3.11
+        data, ancdata, flags, _ = sock.recvmsg(MAX_CONTROL_BYTES, _FD_SPACE_BYTES,
+                                               socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
     except BlockingIOError:
         raise WouldBlock("no control message waiting") from None
     except ConnectionResetError:
@@ -65,13 +103,33 @@ def recv_msg_nowait(sock: socket.socket) -> tuple[dict, list[int]]:
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    fds = fds.tolist()
     if not data and not fds:
         raise PeerGone("the other end of the control socket closed it")
-    return _decode(data), list(fds)
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            raise CorruptRecord(f"control message longer than {MAX_CONTROL_BYTES} bytes or "
+                                f"{MAX_FDS} fds was cut short")
+        try:
+            msg = json.loads(data)
+        except ValueError as exc:         # bad UTF-8 or bad JSON
+            raise CorruptRecord(f"control message is not JSON: {exc}") from None
+        if not isinstance(msg, dict):
+            raise CorruptRecord(f"control message is a JSON {type(msg).__name__}, not an object")
+    except CorruptRecord:
+        _close_all(fds)
+        raise
+    return msg, fds
 
 
 def recv_msg(sock: socket.socket, timeout_s: float | None = None) -> tuple[dict, list[int]]:
-    ready, _, _ = select.select([sock], [], [], timeout_s)
-    if not ready:
-        raise WouldBlock(f"no control message within {timeout_s} s")
-    return recv_msg_nowait(sock)
+    """Wait up to ``timeout_s`` (forever if None) for the next message; ``WouldBlock`` on timeout."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        try:
+            return recv_msg_nowait(sock)
+        except WouldBlock:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WouldBlock(f"no control message within {timeout_s} s") from None
+            _wait(sock, select.POLLIN, left)

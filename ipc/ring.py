@@ -1,46 +1,92 @@
 """A single-producer/single-consumer ring of variable-length records.
 
-It works over any writable buffer (bytearray, mmap, memoryview), so tests
-need no shared memory; the supervisor puts one in each POSIX shared-memory
-segment it creates, one per link between two stages.
+Theory of operation
+-------------------
+One ring joins two stages in one direction (reader -> channel, channel ->
+queue, queue -> store, queue -> consumer's reader). The supervisor creates
+it inside a POSIX shared-memory segment; the producer and the consumer each
+attach their own :class:`Ring` object to the same bytes. The ring itself
+works over any writable buffer (bytearray, mmap, memoryview), so its tests
+need no shared memory.
 
-Layout (little-endian; producer and consumer fields on separate cache lines)::
+The producer *stages* records (``write_nowait``), which writes their bytes
+into free space but leaves them invisible, then *commits*, which publishes
+them all with one store of ``write_pos``. The consumer copies or hands out
+every record below the ``write_pos`` it loaded, then *releases* their space
+with one store of ``read_pos``. Positions count bytes since the ring was
+created and only grow, so ``write_pos - read_pos`` is the space in use and
+neither side ever mistakes a full ring for an empty one.
 
-    offset   0  u64 write_pos        bytes ever committed (producer writes)
-    offset   8  u64 records_written  records ever committed (producer writes)
-    offset  16  u64 max_in_flight    max records_written - records_read seen at a commit (producer writes)
-    offset  24  u64 flags            bit 0: writer_waiting (producer writes)
-    offset  64  u64 read_pos         bytes ever released (consumer writes)
-    offset  72  u64 records_read     records ever released (consumer writes)
-    offset 128  data area of capacity = len(buf) - 128 bytes
+Each header word has exactly one writer: the producer owns the first cache
+line, the consumer the second, so the two never write the same line. A
+third process (the supervisor) may read both to build ``statistics()``.
 
-    a record at data[pos % capacity]:  u32 length | payload
-    a record never wraps: when it does not fit before the end, the producer
-    writes u32 0xFFFFFFFF there (if 4 bytes are left) and starts at offset 0;
-    the consumer skips the same way.
+Byte layout
+-----------
+Header words are u64, little-endian, 8-byte aligned::
 
-Positions only grow, so ``write_pos - read_pos`` is the bytes in use. The
-producer publishes records by storing ``write_pos`` after their bytes; the
-consumer releases space by storing ``read_pos`` after copying them out. On
-x86-64 (total store order) these plain stores are enough: stores become
-visible in program order and loads are not reordered with older loads.
+    offset   0  u64 write_pos        bytes ever committed              (producer)
+    offset   8  u64 records_written  records ever committed            (producer)
+    offset  16  u64 max_in_flight    max(records_written - records_read)
+                                     seen at a commit                  (producer)
+    offset  24  u64 flags            bit 0 writer_waiting: the producer
+                                     holds records it could not fit    (producer)
+    offset  32  u64 magic            RING_MAGIC, written once at creation
+    offset  40  u64 capacity_bytes   written once at creation
+    offset  64  u64 read_pos         bytes ever released               (consumer)
+    offset  72  u64 records_read     records ever released             (consumer)
+    offset 128  data area: capacity_bytes = len(buf) - 128, rounded down
+                to a multiple of 8 (the rest of the buffer is unused)
+
+    a record at data[pos % capacity_bytes], pos a multiple of 4:
+        u32 length | payload (length bytes) | 0-3 bytes padding to a multiple of 4
+
+Records start 4-byte aligned so their lengths are aligned u32 words. A record
+never wraps. When one does not fit between its position and the end of the
+data area, the producer writes the wrap marker ``0xFFFFFFFF`` there (the tail
+is a multiple of 4, so the marker always fits) and puts the record at offset
+0; the skipped tail counts as used until the consumer passes it. So a record
+takes ``4 + length`` rounded up to 4 bytes, plus up to that many again when
+it arrives near the end, which is why the largest payload is
+``max_record_bytes = capacity_bytes // 2 - 4``: such a record fits in an
+empty ring wherever the positions stand.
+
+Memory ordering
+---------------
+Header words are read and written through a native ``"Q"`` memoryview, one
+aligned 8-byte load or store each (record lengths likewise through ``"I"``), so a reader never sees half a position
+(``struct``'s ``"<Q"`` goes byte by byte and could tear). The producer
+stores record bytes, then the counters, then ``write_pos``; the consumer
+loads ``write_pos`` before the records. x86-64 keeps stores in program order
+and loads in program order (total store order), which is all this needs;
+a weakly ordered CPU would need fences that Python cannot express.
 """
 
 from __future__ import annotations
 
-import struct
+import sys
 from dataclasses import dataclass
 
-from ipc.errors import IpcError, WouldBlock
+from ipc.errors import CorruptRecord, IpcError, WouldBlock
+
+if sys.byteorder != "little":  # the header words are native "Q"; the layout above says little-endian
+    raise ImportError("ipc.ring assumes a little-endian CPU")
 
 HEADER_BYTES = 128
-_WRAP = 0xFFFFFFFF
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_PROD = struct.Struct("<QQQ")        # write_pos, records_written, max_in_flight
-_CONS = struct.Struct("<QQ")         # read_pos, records_read
-_W_POS, _W_REC, _MAX, _FLAGS = 0, 8, 16, 24
-_R_POS, _R_REC = 64, 72
+RING_MAGIC = 0x31474E4952464321           # b"!CFRING1" read as a little-endian u64
+LENGTH_BYTES = 4
+WRAP_MARKER = 0xFFFFFFFF
+MIN_CAPACITY_BYTES = 64
+
+# header word indices (byte offset // 8)
+_W_POS, _W_REC, _MAX, _FLAGS, _MAGIC, _CAP = 0, 1, 2, 3, 4, 5
+_R_POS, _R_REC = 8, 9
+_WRITER_WAITING = 1
+
+
+def record_bytes(payload_bytes: int) -> int:
+    """Ring space one record of ``payload_bytes`` takes (length word and padding included)."""
+    return (payload_bytes + 7) & -4
 
 
 class RecordTooLarge(IpcError, ValueError):
@@ -50,170 +96,281 @@ class RecordTooLarge(IpcError, ValueError):
 @dataclass(frozen=True)
 class RingStatistics:
     capacity_bytes: int
-    used_bytes: int
-    records_written: int
-    records_read: int
-    in_flight: int
-    max_in_flight: int
-    writer_waiting: bool
+    used_bytes: int          # committed and not yet released, padding included
+    records_written: int     # committed since creation
+    records_read: int        # released since creation
+    in_flight: int           # records_written - records_read
+    max_in_flight: int       # the most in flight at any commit
+    writer_waiting: bool     # the producer holds records it could not fit
 
 
 class Ring:
-    def __init__(self, buf, *, create: bool):
-        self.mv = memoryview(buf).cast("B")
-        if len(self.mv) <= HEADER_BYTES + 64:
-            raise ValueError(f"ring buffer of {len(self.mv)} bytes is too small")
-        self.capacity_bytes = len(self.mv) - HEADER_BYTES
-        self.max_record_bytes = self.capacity_bytes // 2 - 4
-        if create:
-            self.mv[:HEADER_BYTES] = bytes(HEADER_BYTES)
-        # producer-local view
-        self._wpos, self._written, self._max = _PROD.unpack_from(self.mv, 0)
-        self._staged = 0
-        self._rpos_seen = _U64.unpack_from(self.mv, _R_POS)[0]
-        # consumer-local view
-        self._rpos, self._read = _CONS.unpack_from(self.mv, _R_POS)
+    """One end (or an observer) of an SPSC ring laid out over ``buf``.
 
-    # -- producer ---------------------------------------------------------------------
+    ``create=True`` initialises the header (done once, by the creator, before
+    either end attaches); ``create=False`` attaches to an initialised ring and
+    checks its magic and capacity. The producer uses ``write_nowait``,
+    ``commit``, ``write_batch`` and ``writer_waiting``; the consumer uses
+    ``read_batch`` and ``read_into``; anyone may call ``statistics``.
+    """
+
+    def __init__(self, buf, *, create: bool):
+        mv = memoryview(buf)
+        if mv.readonly:
+            raise ValueError("a ring needs a writable buffer")
+        mv = mv.cast("B")
+        cap = (len(mv) - HEADER_BYTES) & -8
+        if cap < MIN_CAPACITY_BYTES:
+            raise ValueError(f"a ring needs at least {HEADER_BYTES + MIN_CAPACITY_BYTES} bytes, got {len(mv)}")
+        self.mv = mv
+        self.capacity_bytes = cap
+        self.max_record_bytes = cap // 2 - LENGTH_BYTES
+        self._hdr = hdr = mv[:HEADER_BYTES].cast("Q")
+        self._data = mv[HEADER_BYTES:HEADER_BYTES + cap]
+        self._lens = self._data.cast("I")
+        if create:
+            mv[:HEADER_BYTES] = bytes(HEADER_BYTES)
+            hdr[_CAP] = cap
+            hdr[_MAGIC] = RING_MAGIC
+        elif hdr[_MAGIC] != RING_MAGIC or hdr[_CAP] != cap:
+            raise CorruptRecord(f"buffer holds no ring of {cap} bytes (magic {hdr[_MAGIC]:#x}, "
+                                f"capacity {hdr[_CAP]})")
+        # producer-local state: write_pos including staged records, and the last read_pos seen
+        self._wpos = hdr[_W_POS]
+        self._written = hdr[_W_REC]
+        self._max = hdr[_MAX]
+        self._staged = 0
+        self._rpos_seen = hdr[_R_POS]
+        # consumer-local state
+        self._rpos = hdr[_R_POS]
+        self._read = hdr[_R_REC]
+
+    # -- producer -------------------------------------------------------------------------
     def write_nowait(self, record) -> None:
+        """Stage one record (bytes-like); it stays invisible to the consumer until ``commit``.
+
+        Raises ``WouldBlock`` when there is no room now (nothing is staged) and
+        ``RecordTooLarge`` when the record could never fit.
+        """
         n = len(record)
         if n > self.max_record_bytes:
             raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {self.max_record_bytes}")
-        need = n + 4
+        size = (n + 7) & -4
         cap = self.capacity_bytes
         wpos = self._wpos
         off = wpos % cap
-        tail = cap - off
-        total = need if need <= tail else tail + need
-        if wpos + total - self._rpos_seen > cap:
-            self._rpos_seen = _U64.unpack_from(self.mv, _R_POS)[0]
-            if wpos + total - self._rpos_seen > cap:
-                raise WouldBlock("ring is full")
-        mv = self.mv
-        if need > tail:
-            if tail >= 4:
-                _U32.pack_into(mv, HEADER_BYTES + off, _WRAP)
-            wpos += tail
+        skip = cap - off if off + size > cap else 0
+        after = wpos + skip + size
+        if after - self._rpos_seen > cap:
+            self._rpos_seen = self._hdr[_R_POS]
+            if after - self._rpos_seen > cap:
+                raise WouldBlock(f"ring is full ({wpos - self._rpos_seen} of {cap} bytes in use)")
+        lens = self._lens
+        if skip:
+            lens[off >> 2] = WRAP_MARKER
             off = 0
-        base = HEADER_BYTES + off
-        _U32.pack_into(mv, base, n)
-        mv[base + 4:base + 4 + n] = record
-        self._wpos = wpos + need
+        lens[off >> 2] = n
+        self._data[off + LENGTH_BYTES:off + LENGTH_BYTES + n] = record
+        self._wpos = after
         self._staged += 1
 
     def commit(self) -> int:
+        """Publish every staged record; return how many were published."""
         staged = self._staged
         if not staged:
             return 0
-        self._written += staged
+        hdr = self._hdr
         self._staged = 0
-        in_flight = self._written - _U64.unpack_from(self.mv, _R_REC)[0]
+        self._written += staged
+        in_flight = self._written - hdr[_R_REC]
         if in_flight > self._max:
             self._max = in_flight
-        # counters first, write_pos last: a reader never sees a position ahead of its records
-        _U64.pack_into(self.mv, _MAX, self._max)
-        _U64.pack_into(self.mv, _W_REC, self._written)
-        _U64.pack_into(self.mv, _W_POS, self._wpos)
+            hdr[_MAX] = in_flight
+        hdr[_W_REC] = self._written
+        hdr[_W_POS] = self._wpos          # last: the consumer sees no position ahead of its bytes
         return staged
 
-    def records_committed(self) -> int:
-        """Records this producer has published (its own count; no shared read)."""
-        return self._written
-
-    def records_released(self) -> int:
-        """Records the consumer has read and released (read from the shared header)."""
-        return _U64.unpack_from(self.mv, _R_REC)[0]
-
     def write_batch(self, records) -> int:
+        """Stage records in order until one does not fit, commit, and return how many went in.
+
+        The caller resumes with ``records[count:]`` (pass a sequence: from an
+        iterator, the record that did not fit is consumed). If a record can
+        never fit, the ones before it are committed and ``RecordTooLarge`` is
+        raised.
+        """
+        cap = self.capacity_bytes
+        max_n = self.max_record_bytes
+        lens = self._lens
+        data = self._data
+        wpos = self._wpos
+        off = wpos % cap
+        limit = self._rpos_seen + cap         # the producer may not write past this position
         count = 0
         try:
             for record in records:
-                self.write_nowait(record)
+                n = len(record)
+                if n > max_n:
+                    raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {max_n}")
+                size = (n + 7) & -4
+                if off + size > cap:            # no room before the end: wrap to offset 0
+                    if wpos + cap - off + size > limit:
+                        limit = self._refresh_limit()
+                        if wpos + cap - off + size > limit:
+                            break
+                    if off < cap:
+                        lens[off >> 2] = WRAP_MARKER
+                    wpos += cap - off
+                    off = 0
+                elif wpos + size > limit:
+                    limit = self._refresh_limit()
+                    if wpos + size > limit:
+                        break
+                lens[off >> 2] = n
+                data[off + LENGTH_BYTES:off + LENGTH_BYTES + n] = record
+                off += size
+                wpos += size
                 count += 1
-        except WouldBlock:
-            pass
-        self.commit()
+        finally:
+            self._wpos = wpos
+            self._staged += count
+            self.commit()
         return count
+
+    def _refresh_limit(self) -> int:
+        self._rpos_seen = self._hdr[_R_POS]
+        return self._rpos_seen + self.capacity_bytes
+
+    def records_committed(self) -> int:
+        """Records this producer has published (its own count; no shared load)."""
+        return self._written
+
+    def records_released(self) -> int:
+        """Records the consumer has read and released (loaded from the header)."""
+        return self._hdr[_R_REC]
+
+    def free_bytes(self) -> int:
+        """Bytes the producer could stage now, before any wrap padding."""
+        self._rpos_seen = self._hdr[_R_POS]
+        return self.capacity_bytes - (self._wpos - self._rpos_seen)
 
     @property
     def writer_waiting(self) -> bool:
-        return bool(_U64.unpack_from(self.mv, _FLAGS)[0] & 1)
+        """Set by the producer while it holds records that did not fit; the consumer
+        answers by telling it when it has freed space."""
+        return bool(self._hdr[_FLAGS] & _WRITER_WAITING)
 
     @writer_waiting.setter
     def writer_waiting(self, on: bool) -> None:
-        _U64.pack_into(self.mv, _FLAGS, 1 if on else 0)
+        flags = self._hdr[_FLAGS]
+        self._hdr[_FLAGS] = flags | _WRITER_WAITING if on else flags & ~_WRITER_WAITING
 
-    def free_bytes(self) -> int:
-        self._rpos_seen = _U64.unpack_from(self.mv, _R_POS)[0]
-        return self.capacity_bytes - (self._wpos - self._rpos_seen)
-
-    # -- consumer ---------------------------------------------------------------------
+    # -- consumer -------------------------------------------------------------------------
     def read_batch(self, max_records: int | None = None) -> list[bytes]:
-        wpos = _U64.unpack_from(self.mv, _W_POS)[0]
+        """Copy out up to ``max_records`` committed records (all when None), release their
+        space and return them; ``[]`` when there is nothing to read."""
+        wpos = self._hdr[_W_POS]
         rpos = self._rpos
-        if rpos == wpos:
+        if rpos == wpos or max_records == 0:
             return []
-        out = []
-        append = out.append
-        mv = self.mv
         cap = self.capacity_bytes
-        limit = max_records or -1
-        unpack = _U32.unpack_from
-        while rpos < wpos and limit != 0:
-            off = rpos % cap
-            tail = cap - off
-            if tail < 4:
-                rpos += tail
+        max_n = self.max_record_bytes
+        lens = self._lens
+        data = self._data
+        out: list[bytes] = []
+        append = out.append
+        left = -1 if max_records is None else max_records
+        off = rpos % cap
+        while rpos < wpos:
+            if off == cap:
+                off = 0
+            n = lens[off >> 2]
+            if n > max_n:
+                if n != WRAP_MARKER:
+                    raise CorruptRecord(f"record length {n} at ring offset {off} exceeds {max_n}")
+                rpos += cap - off
+                off = 0
                 continue
-            base = HEADER_BYTES + off
-            (n,) = unpack(mv, base)
-            if n == _WRAP:
-                rpos += tail
-                continue
-            append(mv[base + 4:base + 4 + n].tobytes())
-            rpos += 4 + n
-            limit -= 1
+            append(data[off + LENGTH_BYTES:off + LENGTH_BYTES + n].tobytes())
+            size = (n + 7) & -4
+            rpos += size
+            off += size
+            left -= 1
+            if not left:
+                break
+        if rpos > wpos:
+            raise CorruptRecord(f"ring records run past the committed position ({rpos} > {wpos})")
         self._release(rpos, len(out))
         return out
 
     def read_into(self, handle, max_records: int | None = None) -> int:
-        wpos = _U64.unpack_from(self.mv, _W_POS)[0]
+        """Zero-copy read: call ``handle(view)`` with a memoryview of each record's payload,
+        then release the records; return how many were handled.
+
+        The view points into the ring and is released when ``handle`` returns, so
+        ``handle`` must copy what it keeps. A record is released only after its
+        ``handle`` call returns: if ``handle`` raises, that record and those after
+        it stay in the ring and the ones before it are released.
+        """
+        wpos = self._hdr[_W_POS]
         rpos = self._rpos
-        mv = self.mv
+        if rpos == wpos or max_records == 0:
+            return 0
         cap = self.capacity_bytes
-        limit = max_records or -1
+        max_n = self.max_record_bytes
+        lens = self._lens
+        data = self._data
+        left = -1 if max_records is None else max_records
         count = 0
-        while rpos < wpos and limit != 0:
-            off = rpos % cap
-            tail = cap - off
-            if tail < 4:
-                rpos += tail
-                continue
-            base = HEADER_BYTES + off
-            (n,) = _U32.unpack_from(mv, base)
-            if n == _WRAP:
-                rpos += tail
-                continue
-            handle(mv[base + 4:base + 4 + n])
-            rpos += 4 + n
-            limit -= 1
-            count += 1
-        self._release(rpos, count)
+        done = rpos                                # position after the last handled record
+        off = rpos % cap
+        try:
+            while rpos < wpos:
+                if off == cap:
+                    off = 0
+                n = lens[off >> 2]
+                if n > max_n:
+                    if n != WRAP_MARKER:
+                        raise CorruptRecord(f"record length {n} at ring offset {off} exceeds {max_n}")
+                    rpos += cap - off
+                    off = 0
+                    continue
+                size = (n + 7) & -4
+                if rpos + size > wpos:
+                    raise CorruptRecord(f"ring records run past the committed position ({rpos + size} > {wpos})")
+                view = data[off + LENGTH_BYTES:off + LENGTH_BYTES + n]
+                handle(view)
+                view.release()
+                rpos += size
+                off += size
+                done = rpos
+                count += 1
+                left -= 1
+                if not left:
+                    break
+        finally:
+            if count:
+                self._release(done, count)
         return count
 
     def _release(self, rpos: int, count: int) -> None:
         self._rpos = rpos
         self._read += count
-        _U64.pack_into(self.mv, _R_REC, self._read)
-        _U64.pack_into(self.mv, _R_POS, rpos)
+        hdr = self._hdr
+        hdr[_R_REC] = self._read
+        hdr[_R_POS] = rpos                 # last: the producer sees no space still being read
 
-    # -- anyone -----------------------------------------------------------------------------
+    # -- anyone ---------------------------------------------------------------------------
     def statistics(self) -> RingStatistics:
-        wpos, written, mx = _PROD.unpack_from(self.mv, 0)
-        rpos, read = _CONS.unpack_from(self.mv, _R_POS)
+        """A snapshot from the shared header; safe from a third process."""
+        hdr = self._hdr
+        # consumer words first: they never pass the producer's, so the differences stay >= 0
+        rpos, read = hdr[_R_POS], hdr[_R_REC]
+        wpos, written, mx, flags = hdr[_W_POS], hdr[_W_REC], hdr[_MAX], hdr[_FLAGS]
         return RingStatistics(capacity_bytes=self.capacity_bytes, used_bytes=wpos - rpos,
                               records_written=written, records_read=read, in_flight=written - read,
-                              max_in_flight=mx, writer_waiting=self.writer_waiting)
+                              max_in_flight=mx, writer_waiting=bool(flags & _WRITER_WAITING))
 
     def release(self) -> None:
-        self.mv.release()
+        """Drop this object's views of the buffer so the mapping under it can be closed."""
+        for view in (self._lens, self._data, self._hdr, self.mv):
+            view.release()
