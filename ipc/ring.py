@@ -18,7 +18,8 @@ created and only grow, so ``write_pos - read_pos`` is the space in use and
 neither side ever mistakes a full ring for an empty one.
 
 Each header word has exactly one writer: the producer owns the first cache
-line, the consumer the second, so the two never write the same line. A
+line, the consumer the second, so the two never write the same line (magic
+and capacity are written once, by the creator, before either attaches). A
 third process (the supervisor) may read both to build ``statistics()``.
 
 Byte layout
@@ -39,7 +40,7 @@ Header words are u64, little-endian, 8-byte aligned::
                 to a multiple of 8 (the rest of the buffer is unused)
 
     a record at data[pos % capacity_bytes], pos a multiple of 4:
-        u32 length | payload (length bytes) | 0-3 bytes padding to a multiple of 4
+        u32 length (little-endian) | payload (length bytes) | 0-3 bytes padding
 
 Records start 4-byte aligned so their lengths are aligned u32 words. A record
 never wraps. When one does not fit between its position and the end of the
@@ -54,8 +55,9 @@ empty ring wherever the positions stand.
 Memory ordering
 ---------------
 Header words are read and written through a native ``"Q"`` memoryview, one
-aligned 8-byte load or store each (record lengths likewise through ``"I"``), so a reader never sees half a position
-(``struct``'s ``"<Q"`` goes byte by byte and could tear). The producer
+aligned 8-byte load or store each (record lengths likewise through ``"I"``),
+so a reader never sees half a position (``struct``'s ``"<Q"`` goes byte by
+byte and could tear). The producer
 stores record bytes, then the counters, then ``write_pos``; the consumer
 loads ``write_pos`` before the records. x86-64 keeps stores in program order
 and loads in program order (total store order), which is all this needs;
