@@ -116,6 +116,9 @@ class Ring:
     ``read_batch`` and ``read_into``; anyone may call ``statistics``.
     """
 
+    __slots__ = ("mv", "capacity_bytes", "max_record_bytes", "_hdr", "_data", "_lens",
+                 "_wpos", "_written", "_max", "_staged", "_rpos_seen", "_rpos", "_read")
+
     def __init__(self, buf, *, create: bool):
         mv = memoryview(buf)
         if mv.readonly:
@@ -235,7 +238,7 @@ class Ring:
         finally:
             self._wpos = wpos
             self._staged += count
-            self.commit()
+            self.commit()       # also publishes records staged by write_nowait before this call
         return count
 
     def _refresh_limit(self) -> int:
@@ -301,7 +304,11 @@ class Ring:
                 break
         if rpos > wpos:
             raise CorruptRecord(f"ring records run past the committed position ({rpos} > {wpos})")
-        self._release(rpos, len(out))
+        self._rpos = rpos                  # _release, inlined on this hot path
+        self._read += len(out)
+        hdr = self._hdr
+        hdr[_R_REC] = self._read
+        hdr[_R_POS] = rpos
         return out
 
     def read_into(self, handle, max_records: int | None = None) -> int:
