@@ -1,1 +1,34 @@
-"""On-disk layer of the message store: record format, segment files."""
+"""On-disk layer of the durable message store.
+
+- ``record``: the record format (size, id, body, commit marker) and its
+  scanner; pure, no I/O.
+- ``segments``: the shared store's numbered ``N.rdq`` files: buffered
+  appends, the timed fsync policy, roll-over, refcounts, compaction and
+  recovery. The store process drives it.
+- ``queue_index``: a durable queue's own ``N.qi`` journal of publishes
+  (small messages embedded), deliveries and acks.
+- ``errors``: what can go wrong, and who caused it.
+
+The fsync policy's constants (RabbitMQ's defaults)::
+
+    SYNC_INTERVAL_MS = 200                      group commit at least this often while writes are pending
+    FILE_SIZE_LIMIT_BYTES = 16 * 1024 * 1024    a segment file rolls over once it reaches this
+    LARGE_MESSAGE_BYTES = 4_000_000             a message this big gets a file of its own
+    QUEUE_INDEX_EMBED_MSGS_BELOW = 4096         smaller messages live in the queue index
+"""
+
+from pipeline.storage.errors import (CorruptSegment, SequenceNotIncreasing, StorageError, StoreClosed,
+                                     TornRecord, UnknownMessage, UnknownSequence)
+from pipeline.storage.queue_index import (QUEUE_INDEX_EMBED_MSGS_BELOW, IndexEntry, IndexSyncResult, QueueIndex,
+                                          QueueIndexStatistics, embeds)
+from pipeline.storage.record import ScanRecord, ScanResult, decode_record, encode_record, scan
+from pipeline.storage.segments import (FILE_SIZE_LIMIT_BYTES, LARGE_MESSAGE_BYTES, SYNC_INTERVAL_MS, Location,
+                                       SegmentStatistics, SegmentStore, SyncResult)
+
+__all__ = [
+    "CorruptSegment", "SequenceNotIncreasing", "StorageError", "StoreClosed", "TornRecord", "UnknownMessage",
+    "UnknownSequence", "QUEUE_INDEX_EMBED_MSGS_BELOW", "IndexEntry", "IndexSyncResult", "QueueIndex",
+    "QueueIndexStatistics", "embeds", "ScanRecord", "ScanResult", "decode_record", "encode_record", "scan",
+    "FILE_SIZE_LIMIT_BYTES", "LARGE_MESSAGE_BYTES", "SYNC_INTERVAL_MS", "Location", "SegmentStatistics",
+    "SegmentStore", "SyncResult",
+]

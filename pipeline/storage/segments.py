@@ -1,199 +1,467 @@
 """Numbered segment files ``N.rdq`` for the shared message store.
 
-Appends go through a buffered file; ``sync`` is the named, timed fsync
-policy's one action (flush, then ``os.fsync``), called by the store process
-every ``SYNC_INTERVAL_MS`` while writes are pending and when its inbox has
-drained. A file rolls over to ``N+1`` at ``FILE_SIZE_LIMIT_BYTES``, and the
-roll fsyncs the old file first.
+Theory of operation
+-------------------
+The store process is the only writer. Every message it is given is appended
+once, as a record of ``pipeline.storage.record``, to the *current* file
+through a write buffer of ``WRITE_BUFFER_BYTES``; an in-memory index maps the
+message id to its ``Location`` and a reference count::
 
-Messages are refcounted: a message routed to several queues is appended
-once, and ``decref`` to zero makes its bytes garbage. ``collect`` reclaims
-them: a file that is not the current one is deleted when nothing in it is
-live, and compacted when less than half of it is (its live records are
-copied to the current file, fsynced, and only then is the old file
-deleted, so a crash in between leaves two copies, never none).
+    append(id, body) ──▶ [write buffer] ──▶ N.rdq   (current file)
+                                             │ offset has reached FILE_SIZE_LIMIT_BYTES:
+                                             ▼ the next write rolls (flush + fsync N) and opens N+1
+    sync() ─ flush + fsync: the group commit the store runs every SYNC_INTERVAL_MS
+             while writes are pending, and as soon as its inbox drains with
+             confirms waiting
 
-At start, ``adopt`` takes the ids the queues still hold (from their
-journals) and rebuilds the refcounts and per-file live bytes by scanning
-the files, so garbage left before a restart is reclaimed too.
+fsync is a named, timed policy with a single action, ``sync``. It returns a
+``SyncResult``: how long the fsync took, and which ids (and how many bytes)
+became durable since the previous ``sync`` call, including those a roll-over
+fsynced in between, so a store that confirms exactly the ids it is given
+never misses one. ``fsync_delay_ms`` adds a planted delay to every fsync (a
+slow disk). A roll-over and a compaction fsync too; every fsync is counted
+and timed in ``statistics()``. A message of ``LARGE_MESSAGE_BYTES`` or more
+gets a file of its own: the file before it is rolled, the record goes
+straight past the buffer, and the next write rolls again.
+
+Reference counts: a message routed to N queues is written once. ``append``
+of an id the store already holds, or ``incref``, adds a reference;
+``decref`` drops one, and at zero the record becomes garbage: its bytes stop
+counting as live in their file.
+
+Garbage: ``compact`` deletes every file other than the current one with no
+live bytes, and compacts every other non-current file whose live bytes are
+under half its size (and above zero): its live records are copied to the
+current file (the index follows each copy), the copies are fsynced, and
+only then is the old file deleted. A crash in between leaves two copies of
+a record, never none; recovery keeps the later one. ``read`` follows the
+index, so reads keep working across compactions.
+
+Recovery: the store never appends to a file it found on disk; a new store
+starts a new file after the highest number present. The files it found are
+garbage until claimed: ``adopt(held)`` scans each of them up to its last
+whole record (truncating a torn tail away, fsynced) and indexes the ids the
+queues still hold, with their counts; ``recover(directory)`` does the same
+and claims every record found, once.
 """
 
 from __future__ import annotations
 
+import collections
+import mmap
 import os
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
-from pipeline.storage.record import RECORD_OVERHEAD_BYTES, encode_record, scan
+from pipeline.storage.errors import CorruptSegment, StoreClosed, UnknownMessage
+from pipeline.storage.record import (HEADER_BYTES, RECORD_OVERHEAD_BYTES, SIZE_FIELD_BYTES, decode_record,
+                                     encode_record, scan)
 
 SYNC_INTERVAL_MS = 200
 FILE_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
+LARGE_MESSAGE_BYTES = 4_000_000
+WRITE_BUFFER_BYTES = 1024 * 1024
 COMPACT_BELOW_LIVE_FRACTION = 0.5
+SYNC_HISTORY_SAMPLES = 1024         # fsync durations kept for the percentile in statistics()
+READ_FDS_CACHED = 16
+SEGMENT_SUFFIX = ".rdq"
 
 
 @dataclass(frozen=True)
 class Location:
-    file: int
-    offset: int
-    size: int           # the record's whole size on disk
+    file: int           # N of N.rdq
+    offset: int         # where the record starts
+    size: int           # the whole record's bytes on disk
 
 
 @dataclass(frozen=True)
 class SyncResult:
-    duration_ns: int
-    bytes: int
+    duration_ns: int                    # the fsync's own time (0 when nothing was left to fsync)
+    bytes: int                          # bytes appended since the previous sync() that are now durable
+    msg_ids_covered: tuple[bytes, ...]  # ids appended since the previous sync(), now durable, in order
 
 
 @dataclass(frozen=True)
 class SegmentStatistics:
-    files: int
-    current_file: int
-    bytes_on_disk: int
-    live_bytes: int
-    bytes_written: int
+    files: int                  # segment files on disk
+    current_file: int           # N of the file appends go to
+    bytes_on_disk: int          # every file's size, the write buffer included
+    live_bytes: int             # bytes of records still referenced
+    garbage_bytes: int          # bytes_on_disk - live_bytes
     live_messages: int
-    appends: int
-    syncs: int
-    files_deleted: int
+    appends: int                # records written for new messages
+    duplicate_appends: int      # appends and increfs that only added a reference
+    bytes_written: int          # bytes of new records (compaction copies not included)
+    unsynced_bytes: int         # appended since the last fsync
+    syncs: int                  # every fsync: sync(), roll-overs, compactions
+    last_sync_ns: int           # how long the last fsync took
+    sync_p99_ns: int            # 99th percentile of the last SYNC_HISTORY_SAMPLES fsyncs
+    sync_max_ns: int
+    rolls: int
+    files_deleted: int          # dead files, and compacted files once their copies were durable
     files_compacted: int
+    bytes_moved: int            # live bytes copied by compaction
+    bytes_reclaimed: int
+    truncated_bytes: int        # torn tails cut away by recovery
+    unknown_decrefs: int        # decrefs for ids the store did not hold (ignored)
+
+
+def numbered_files(directory: str, suffix: str) -> list[int]:
+    """The numbers N of every ``N<suffix>`` file in ``directory``, ascending."""
+    numbers = []
+    for name in os.listdir(directory):
+        stem = name[:-len(suffix)]
+        if name.endswith(suffix) and stem.isdigit():
+            numbers.append(int(stem))
+    return sorted(numbers)
+
+
+def fsync_directory(directory: str) -> None:
+    """Make the creation, deletion or truncation of files in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Entry:
+    __slots__ = ("location", "refs")
+
+    def __init__(self, location: Location, refs: int):
+        self.location = location
+        self.refs = refs
 
 
 class SegmentStore:
     def __init__(self, directory: str, *, file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES,
-                 fsync_delay_ms: int = 0):
-        self.dir = directory
-        os.makedirs(directory, exist_ok=True)
-        self.limit = file_size_limit_bytes
-        self.fsync_delay_s = fsync_delay_ms / 1000
-        existing = sorted(int(n[:-4]) for n in os.listdir(directory) if n.endswith(".rdq") and n[:-4].isdigit())
-        self.current = (existing[-1] + 1) if existing else 0
-        self.file_bytes: dict[int, int] = {n: os.path.getsize(self._path(n)) for n in existing}
-        self.live: dict[int, int] = {n: 0 for n in existing}          # file -> live bytes
-        self.index: dict[bytes, list] = {}                              # msg id -> [Location, refcount]
-        self._open(self.current)
-        self.bytes_written = 0
-        self.unsynced_bytes = 0
-        self.appends = 0
-        self.syncs = 0
-        self.files_deleted = 0
-        self.files_compacted = 0
+                 fsync_delay_ms: float = 0):
+        if file_size_limit_bytes <= 0:
+            raise ValueError(f"file_size_limit_bytes must be positive, got {file_size_limit_bytes}")
+        if fsync_delay_ms < 0:
+            raise ValueError(f"fsync_delay_ms must not be negative, got {fsync_delay_ms}")
+        self.directory = str(directory)
+        os.makedirs(self.directory, exist_ok=True)
+        self.file_size_limit_bytes = file_size_limit_bytes
+        self.fsync_delay_ms = fsync_delay_ms
+        existing = numbered_files(self.directory, SEGMENT_SUFFIX)
+        self._file_bytes: dict[int, int] = {n: os.path.getsize(self._path(n)) for n in existing}
+        self._live: dict[int, int] = {n: 0 for n in existing}
+        self._index: dict[bytes, _Entry] = {}
+        self._current = existing[-1] + 1 if existing else 0
+        self._fh = None                 # the current file, opened by its first write
+        self._offset = 0                # bytes written to the current file, buffered ones included
+        self._flushed = 0               # bytes of the current file the OS has (readable with pread)
+        self._synced = 0                # bytes of the current file known durable
+        self._full = False              # the next write rolls first (limit reached, or a large message)
+        self._dirty = False             # the current file has bytes not yet fsynced
+        self._dir_dirty = False         # a file was created since the directory was last fsynced
+        self._read_fds: dict[int, int] = {}
+        self._unsynced_ids: list[bytes] = []
+        self._unsynced_bytes = 0
+        self._sync_ns: collections.deque[int] = collections.deque(maxlen=SYNC_HISTORY_SAMPLES)
+        self._closed = False
+        self.appends = self.duplicate_appends = self.bytes_written = 0
+        self.syncs = self.last_sync_ns = self.rolls = 0
+        self.files_deleted = self.files_compacted = self.bytes_moved = self.bytes_reclaimed = 0
+        self.truncated_bytes = self.unknown_decrefs = 0
 
-    def _path(self, number: int) -> str:
-        return os.path.join(self.dir, f"{number}.rdq")
-
-    def _open(self, number: int) -> None:
-        self.fh = open(self._path(number), "ab", buffering=1 << 20)
-        self.offset = self.fh.tell()
-        self.file_bytes[number] = self.offset
-        self.live.setdefault(number, 0)
-
-    def adopt(self, held: dict[bytes, int]) -> int:
-        """Refcounts from the queues' journals (id -> number of queues holding it); returns messages found."""
-        found = 0
-        for number in sorted(n for n in self.file_bytes if n != self.current):
-            with open(self._path(number), "rb") as f:
-                data = f.read()
-            for off, msg_id, _start, length in scan(data).records:
-                count = held.get(msg_id)
-                if count and msg_id not in self.index:
-                    size = length + 16 + RECORD_OVERHEAD_BYTES
-                    self.index[msg_id] = [Location(number, off, size), count]
-                    self.live[number] += size
-                    found += 1
-        return found
+    # -- writing --------------------------------------------------------------------------------------
 
     def append(self, msg_id: bytes, body) -> Location:
-        entry = self.index.get(msg_id)
+        """Store ``body`` under ``msg_id``; an id already held only gains a reference (written once)."""
+        self._check_open()
+        entry = self._index.get(msg_id)
         if entry is not None:
-            entry[1] += 1
-            return entry[0]
-        if self.offset >= self.limit:
-            self.roll()
-        rec = encode_record(msg_id, body)
-        self.fh.write(rec)
-        loc = Location(self.current, self.offset, len(rec))
-        self.offset += len(rec)
-        self.file_bytes[self.current] = self.offset
-        self.live[self.current] += len(rec)
-        self.bytes_written += len(rec)
-        self.unsynced_bytes += len(rec)
-        self.index[msg_id] = [loc, 1]
+            entry.refs += 1
+            self.duplicate_appends += 1
+            return entry.location
+        location = self._write_record(encode_record(msg_id, body), len(body))
+        self._index[msg_id] = _Entry(location, 1)
+        self._unsynced_ids.append(msg_id)
+        self._unsynced_bytes += location.size
         self.appends += 1
-        return loc
+        self.bytes_written += location.size
+        return location
 
-    def decref(self, msg_id: bytes) -> None:
-        entry = self.index.get(msg_id)
+    def incref(self, msg_id: bytes) -> int:
+        """Add a reference to a message the store holds; returns its count."""
+        self._check_open()
+        entry = self._index.get(msg_id)
         if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del self.index[msg_id]
-            self.live[entry[0].file] -= entry[0].size
+            raise UnknownMessage(f"no message {msg_id.hex()} to reference")
+        entry.refs += 1
+        self.duplicate_appends += 1
+        return entry.refs
 
-    def roll(self) -> SyncResult:
-        result = self.sync()
-        self.fh.close()
-        self.current += 1
-        self._open(self.current)
-        return result
+    def decref(self, msg_id: bytes) -> int:
+        """Drop a reference; returns the count left. At zero the record is garbage.
+
+        An id the store does not hold is ignored and counted (a remove can
+        outlive its message across a restart).
+        """
+        self._check_open()
+        entry = self._index.get(msg_id)
+        if entry is None:
+            self.unknown_decrefs += 1
+            return 0
+        entry.refs -= 1
+        if entry.refs > 0:
+            return entry.refs
+        del self._index[msg_id]
+        self._live[entry.location.file] -= entry.location.size
+        return 0
 
     def sync(self) -> SyncResult:
-        start = time.monotonic_ns()
-        self.fh.flush()
-        os.fsync(self.fh.fileno())
-        if self.fsync_delay_s:
-            time.sleep(self.fsync_delay_s)
-        synced, self.unsynced_bytes = self.unsynced_bytes, 0
-        self.syncs += 1
-        return SyncResult(time.monotonic_ns() - start, synced)
+        """The fsync policy's action: flush and fsync, and name what became durable."""
+        self._check_open()
+        duration_ns = 0
+        if self._dirty:
+            duration_ns = self._fsync_current()
+        elif self._dir_dirty:
+            fsync_directory(self.directory)
+            self._dir_dirty = False
+        ids, self._unsynced_ids = tuple(self._unsynced_ids), []
+        nbytes, self._unsynced_bytes = self._unsynced_bytes, 0
+        return SyncResult(duration_ns, nbytes, ids)
 
-    def collect(self) -> int:
-        """Delete dead files and compact mostly-dead ones; returns bytes reclaimed."""
-        reclaimed = 0
-        for number in sorted(self.file_bytes):
-            if number == self.current:
-                continue
-            total, live = self.file_bytes[number], self.live.get(number, 0)
-            if live <= 0:
-                reclaimed += self._delete(number)
-            elif live < total * COMPACT_BELOW_LIVE_FRACTION:
-                reclaimed += self._compact(number)
+    def _write_record(self, record: bytes, body_len: int) -> Location:
+        large = body_len >= LARGE_MESSAGE_BYTES
+        if self._fh is not None and (self._full or (large and self._offset > 0)):
+            self._roll()                # at the limit, behind a large message, or before one
+        if self._fh is None:
+            self._open_current()
+        location = Location(self._current, self._offset, len(record))
+        self._fh.write(record)          # over the buffer's size, this goes straight to the file
+        self._offset += len(record)
+        self._file_bytes[self._current] = self._offset
+        self._live[self._current] += len(record)
+        self._dirty = True
+        self._full = large or self._offset >= self.file_size_limit_bytes
+        return location
+
+    def _open_current(self) -> None:
+        self._fh = open(self._path(self._current), "xb", buffering=WRITE_BUFFER_BYTES)
+        self._offset = self._flushed = self._synced = 0
+        self._full = False
+        self._file_bytes[self._current] = 0
+        self._live[self._current] = 0
+        self._dir_dirty = True
+
+    def _roll(self) -> None:
+        if self._dirty:
+            self._fsync_current()
+        self._fh.close()
+        self._fh = None
+        self._current += 1
+        self.rolls += 1
+
+    def _fsync_current(self) -> int:
+        start = time.monotonic_ns()
+        self._fh.flush()
+        self._flushed = self._offset
+        os.fsync(self._fh.fileno())
+        if self._dir_dirty:
+            fsync_directory(self.directory)
+            self._dir_dirty = False
+        if self.fsync_delay_ms:
+            time.sleep(self.fsync_delay_ms / 1000)
+        duration_ns = time.monotonic_ns() - start
+        self._dirty = False
+        self._synced = self._offset
+        self.syncs += 1
+        self.last_sync_ns = duration_ns
+        self._sync_ns.append(duration_ns)
+        return duration_ns
+
+    # -- reading --------------------------------------------------------------------------------------
+
+    def read(self, msg_id: bytes) -> bytes:
+        """The body stored under ``msg_id``, checked against its record's size, id and commit marker."""
+        self._check_open()
+        entry = self._index.get(msg_id)
+        if entry is None:
+            raise UnknownMessage(f"no message {msg_id.hex()} in the store")
+        record = self._read_record(entry.location)
+        if record[SIZE_FIELD_BYTES:HEADER_BYTES] != msg_id:
+            found = record[SIZE_FIELD_BYTES:HEADER_BYTES].hex()
+            raise CorruptSegment(f"{entry.location} holds message {found}, not {msg_id.hex()}")
+        return record[HEADER_BYTES:-1]
+
+    def refcount(self, msg_id: bytes) -> int:
+        """How many references the store holds for ``msg_id`` (0 when none)."""
+        entry = self._index.get(msg_id)
+        return entry.refs if entry is not None else 0
+
+    def locations(self) -> dict[bytes, Location]:
+        """Where every live message is, by id."""
+        return {msg_id: entry.location for msg_id, entry in self._index.items()}
+
+    def _read_record(self, location: Location) -> bytes:
+        if location.file == self._current and location.offset + location.size > self._flushed:
+            self._fh.flush()            # the record is still in the write buffer
+            self._flushed = self._offset
+        data = os.pread(self._read_fd(location.file), location.size, location.offset)
+        _, consumed = decode_record(data)
+        if consumed != location.size:
+            raise CorruptSegment(f"{location} holds a record of {consumed} bytes")
+        return data
+
+    def _read_fd(self, number: int) -> int:
+        fd = self._read_fds.get(number)
+        if fd is None:
+            if len(self._read_fds) >= READ_FDS_CACHED:
+                os.close(self._read_fds.pop(next(iter(self._read_fds))))
+            fd = self._read_fds[number] = os.open(self._path(number), os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    # -- garbage --------------------------------------------------------------------------------------
+
+    def compact(self) -> int:
+        """Delete dead non-current files, compact mostly-dead ones; returns the bytes reclaimed."""
+        self._check_open()
+        others = [n for n in sorted(self._file_bytes) if n != self._current]
+        dead = [n for n in others if self._live[n] <= 0]
+        sparse = [n for n in others
+                  if 0 < self._live[n] < self._file_bytes[n] * COMPACT_BELOW_LIVE_FRACTION]
+        moved = 0
+        if sparse:
+            wanted = set(sparse)
+            moving = sorted(((e.location.file, e.location.offset), e) for e in self._index.values()
+                            if e.location.file in wanted)
+            for _, entry in moving:
+                record = self._read_record(entry.location)
+                entry.location = self._write_record(record, entry.location.size - RECORD_OVERHEAD_BYTES)
+                moved += entry.location.size
+            if self._dirty:
+                self._fsync_current()   # the copies are durable before the originals go
+            for n in sparse:
+                self._live[n] = 0
+            self.files_compacted += len(sparse)
+            self.bytes_moved += moved
+        reclaimed = sum(self._delete(n) for n in dead + sparse) - moved
+        if dead or sparse:
+            fsync_directory(self.directory)
+        self.bytes_reclaimed += reclaimed
         return reclaimed
 
+    def collect(self) -> int:
+        """Same as ``compact`` (the store process's name for its garbage pass)."""
+        return self.compact()
+
     def _delete(self, number: int) -> int:
-        size = self.file_bytes.pop(number)
-        self.live.pop(number, None)
+        fd = self._read_fds.pop(number, None)
+        if fd is not None:
+            os.close(fd)
         os.unlink(self._path(number))
+        del self._live[number]
         self.files_deleted += 1
-        return size
+        return self._file_bytes.pop(number)
 
-    def _compact(self, number: int) -> int:
-        moving = [(mid, e) for mid, e in self.index.items() if e[0].file == number]
-        with open(self._path(number), "rb") as f:
-            data = f.read()
-        for msg_id, entry in moving:
-            loc = entry[0]
-            record = data[loc.offset:loc.offset + loc.size]
-            if self.offset >= self.limit:
-                self.roll()
-            self.fh.write(record)
-            entry[0] = Location(self.current, self.offset, loc.size)
-            self.offset += loc.size
-            self.file_bytes[self.current] = self.offset
-            self.live[self.current] += loc.size
-        self.sync()                       # the copies are durable before the original goes
-        self.live[number] = 0
-        self.files_compacted += 1
-        return self._delete(number) - sum(e[0].size for _, e in moving)
+    # -- recovery -------------------------------------------------------------------------------------
 
-    def close(self) -> None:
-        if not self.fh.closed:
-            self.sync()
-            self.fh.close()
+    def adopt(self, held: Mapping[bytes, int] | None = None) -> int:
+        """Claim records in the files found at start; returns how many messages were claimed.
+
+        ``held`` maps an id to the number of queues still holding it (those
+        become its reference count; other records stay garbage). ``None``
+        claims every record found, with one reference. Each file is scanned
+        up to its last whole record and a torn tail is truncated away. Where
+        an id was written twice (a compaction cut short), the later copy wins.
+        """
+        self._check_open()
+        claimed = 0
+        for number in sorted(self._file_bytes):
+            if number == self._current:
+                continue
+            for rec in self._scan_file(number):
+                refs = 1 if held is None else held.get(rec.msg_id, 0)
+                if refs <= 0:
+                    continue
+                location = Location(number, rec.offset, rec.size)
+                entry = self._index.get(rec.msg_id)
+                if entry is None:
+                    self._index[rec.msg_id] = _Entry(location, refs)
+                    claimed += 1
+                elif (entry.location.file, entry.location.offset) < (number, rec.offset):
+                    self._live[entry.location.file] -= entry.location.size
+                    entry.location = location
+                else:
+                    continue
+                self._live[number] += rec.size
+        return claimed
+
+    def _scan_file(self, number: int) -> list:
+        path = self._path(number)
+        with open(path, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                return []
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                result = scan(view)
+            if not result.clean:
+                f.truncate(result.end_offset)
+                os.fsync(f.fileno())
+                self.truncated_bytes += size - result.end_offset
+        self._file_bytes[number] = result.end_offset
+        return result.records
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+
+    def close(self) -> SyncResult | None:
+        """Fsync what is pending and close every file; returns the last sync (None if already closed)."""
+        if self._closed:
+            return None
+        result = self.sync()
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        for fd in self._read_fds.values():
+            os.close(fd)
+        self._read_fds.clear()
+        self._closed = True
+        return result
+
+    def __enter__(self) -> SegmentStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def statistics(self) -> SegmentStatistics:
+        on_disk = sum(self._file_bytes.values())
+        live = sum(self._live.values())
+        samples = sorted(self._sync_ns)
         return SegmentStatistics(
-            files=len(self.file_bytes), current_file=self.current, bytes_on_disk=sum(self.file_bytes.values()),
-            live_bytes=sum(self.live.values()), bytes_written=self.bytes_written, live_messages=len(self.index),
-            appends=self.appends, syncs=self.syncs, files_deleted=self.files_deleted,
-            files_compacted=self.files_compacted)
+            files=len(self._file_bytes), current_file=self._current, bytes_on_disk=on_disk, live_bytes=live,
+            garbage_bytes=on_disk - live, live_messages=len(self._index), appends=self.appends,
+            duplicate_appends=self.duplicate_appends, bytes_written=self.bytes_written,
+            unsynced_bytes=self._offset - self._synced if self._fh is not None else 0, syncs=self.syncs,
+            last_sync_ns=self.last_sync_ns,
+            sync_p99_ns=samples[min(len(samples) - 1, len(samples) * 99 // 100)] if samples else 0,
+            sync_max_ns=samples[-1] if samples else 0, rolls=self.rolls, files_deleted=self.files_deleted,
+            files_compacted=self.files_compacted, bytes_moved=self.bytes_moved,
+            bytes_reclaimed=self.bytes_reclaimed, truncated_bytes=self.truncated_bytes,
+            unknown_decrefs=self.unknown_decrefs)
+
+    def _path(self, number: int) -> str:
+        return os.path.join(self.directory, f"{number}{SEGMENT_SUFFIX}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"segment store in {self.directory} was closed")
+
+
+def recover(directory: str, *, held: Mapping[bytes, int] | None = None,
+            file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES,
+            fsync_delay_ms: float = 0) -> tuple[SegmentStore, dict[bytes, Location]]:
+    """A store over ``directory`` after a stop, clean or not, and where each claimed message is.
+
+    Every file is scanned up to its last whole record (torn tails are
+    truncated away); see ``SegmentStore.adopt`` for ``held``. New appends
+    go to a new file after the highest one found.
+    """
+    store = SegmentStore(directory, file_size_limit_bytes=file_size_limit_bytes, fsync_delay_ms=fsync_delay_ms)
+    store.adopt(held)
+    return store, store.locations()

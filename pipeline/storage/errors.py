@@ -1,0 +1,35 @@
+"""Errors of the on-disk store layer: one root, and who caused each one.
+
+A torn or corrupt record found while *scanning* is not an error: the scan
+stops there and says so (``ScanResult.clean``), because that is what a crash
+leaves behind. These errors are for a record that must be whole and is not
+(a read through the index), and for callers that break the rules.
+"""
+
+
+class StorageError(Exception):
+    """Raised for any failure inside the on-disk store layer (root of its errors)."""
+
+
+class TornRecord(StorageError):
+    """Raised when the data ends inside a record that was required to be whole."""
+
+
+class CorruptSegment(StorageError):
+    """Raised when the bytes where a record should be lack a sane size, the commit marker or the expected id."""
+
+
+class UnknownMessage(StorageError, KeyError):
+    """Raised when a message id is read or referenced that the segment store does not hold."""
+
+
+class UnknownSequence(StorageError, KeyError):
+    """Raised when a queue index is told to deliver or ack a sequence id it holds no live publish for."""
+
+
+class SequenceNotIncreasing(StorageError):
+    """Raised when a queue index publish reuses a sequence id or goes back below the last one."""
+
+
+class StoreClosed(StorageError):
+    """Raised when a segment store or queue index this process already closed is used again."""
