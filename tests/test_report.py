@@ -54,13 +54,14 @@ def spark():
 
 # -- writing a run directory ------------------------------------------------------------------------------
 
-def _state_at(i: int, fraction: float, steady: bool) -> str:
+def _state_at(i: int, fraction: float, steady: bool, otherwise: str = "running") -> str:
     if not steady:
         return "flow"
-    return "flow" if (i % 10) < round(fraction * 10) else "running"
+    return "flow" if (i % 10) < round(fraction * 10) else otherwise
 
 
-def write_run(path: Path, reader: float, channel: float, queue: float, *, alarm=False, fsyncs=True) -> dict:
+def write_run(path: Path, reader: float, channel: float, queue: float, *, alarm=False, fsyncs=True,
+              publisher_otherwise: str = "running") -> dict:
     """A run directory in which reader-2, channel-2.1 and queue-q spend the given shares of 1..6 s in flow.
 
     Returns the state samples written, {process: [state, ...]}, for the table checks.
@@ -75,7 +76,8 @@ def write_run(path: Path, reader: float, channel: float, queue: float, *, alarm=
             at = ORIGIN_NS + i * SAMPLE_NS
             steady = 10 <= i <= LOAD_S * 10
             for name, kind in PROCESSES.items():
-                state = _state_at(i, fractions[name], steady)
+                state = _state_at(i, fractions[name], steady,
+                                  publisher_otherwise if name == "reader-2" else "running")
                 if kind == "reader" and i > LOAD_S * 10:
                     state = "closing"
                 if kind in ("store", "watchdog"):
@@ -212,6 +214,18 @@ def test_diagnosis_follows_rabbitmqs_rules(spark, tmp_path, flows, expected, rul
     assert f"Bottleneck: <b>{expected}</b>" in Path(index).read_text()
 
 
+def test_an_alarm_is_not_flow_control(spark, tmp_path):
+    run = tmp_path / "alarmed"
+    write_run(run, 0.0, 1.0, 1.0, alarm=True, publisher_otherwise="blocked")
+
+    build_report([str(run)])
+
+    diagnosis = json.loads((run / "report" / "diagnosis.json").read_text())
+    assert diagnosis["bottleneck"] == "none"
+    assert diagnosis["evidence"]["reader"] == 0.0
+    assert "held by a resource alarm instead (blocked or blocking in 1.00 of the window)" in diagnosis["rule"]
+
+
 # -- the files of a one-run report ------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -328,9 +342,15 @@ def _creditflow() -> list[str]:
                                                                  "sys.exit(main())"]
 
 
-def _shm_of(pid: int) -> list[str]:
+def _shm_of(run_dir: Path, pid: int) -> list[str]:
+    """/dev/shm entries of the broker that ran in ``run_dir`` (its run id names them) or of ``pid``."""
+    prefixes = [f"creditflow-{pid}x"]
     try:
-        return [n for n in os.listdir("/dev/shm") if n.startswith((f"creditflow-{pid}x", f"sem.creditflow-{pid}x"))]
+        prefixes.append(f"creditflow-{json.loads((run_dir / 'telemetry' / 'final.json').read_text())['run_id']}")
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        return [n for n in os.listdir("/dev/shm") if n.removeprefix("sem.").startswith(tuple(prefixes))]
     except FileNotFoundError:
         return []
 
@@ -356,7 +376,8 @@ def real_run(tmp_path):
         pass
     proc.wait(5)
     log.close()
-    assert not _shm_of(proc.pid), f"the run left shared memory behind: {_shm_of(proc.pid)}"
+    leaked = _shm_of(run_dir, proc.pid)
+    assert not leaked, f"the run left shared memory behind: {leaked}"
 
 
 @pytest.mark.processes

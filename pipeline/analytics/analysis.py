@@ -75,7 +75,21 @@ def _seconds(run: RunFrames) -> tuple[list[dict], int | None, int | None]:
 
 
 def analyse(run: RunFrames) -> RunAnalysis:
-    """Run every aggregation of the report over one run's DataFrames."""
+    """Run every aggregation of the report over one run's DataFrames.
+
+    The snapshots and samples are parsed once and cached for the duration:
+    each is queried several times.
+    """
+    run.stats.cache()
+    run.states.cache()
+    try:
+        return _analyse(run)
+    finally:
+        run.stats.unpersist()
+        run.states.unpersist()
+
+
+def _analyse(run: RunFrames) -> RunAnalysis:
     seconds, load_start_ns, load_end_ns = _seconds(run)
 
     bounds = run.states.agg(F.min("at_ns").alias("lo"), F.max("at_ns").alias("hi")).first()

@@ -17,7 +17,8 @@ stage read ``flow``, over the steady window: from one second after the load
 generator started (start-up, spawning and the first credit round-trip are
 skipped) to its last per-second report (the drain that follows is not
 publishing). A memory or disk alarm shows as ``blocked``/``blocking``, not
-``flow``, so an alarm is not mistaken for a bottleneck.
+``flow``, so an alarm is not mistaken for a bottleneck; when publishers spent
+a meaningful share of the window blocked by one, the rule says so.
 
 Which processes count, per kind:
 
@@ -80,7 +81,7 @@ def apply_rules(evidence: dict) -> tuple[str, str]:
     r, c, q = (float(evidence.get(k) or 0.0) for k in ("reader", "channel", "queue"))
     if r < CONNECTION_FLOW_MIN:
         return "none", (f"publishing connections are not meaningfully in flow "
-                        f"(reader {r:.2f} < {CONNECTION_FLOW_MIN:.2f}): nothing holds the publishers back")
+                        f"(reader {r:.2f} < {CONNECTION_FLOW_MIN:.2f}): no stage of the pipeline holds them back")
     if c < STAGE_FLOW_MIN:
         return "channel", (f"the publishing connection is in flow (reader {r:.2f}) but none of its channels "
                            f"are (channel {c:.2f} < {STAGE_FLOW_MIN:.2f}): the channel is the bottleneck")
@@ -92,8 +93,10 @@ def apply_rules(evidence: dict) -> tuple[str, str]:
                              f"target queues (queue {q:.2f}) are all in flow: the message store is the bottleneck")
 
 
-def flow_fractions(states: DataFrame, start_ns: int | None, end_ns: int | None) -> dict[str, tuple[str, float, int]]:
-    """Per process over [start_ns, end_ns]: name -> (kind, fraction of samples in flow, samples)."""
+def flow_fractions(states: DataFrame, start_ns: int | None,
+                   end_ns: int | None) -> dict[str, tuple[str, float, int, float]]:
+    """Per process over [start_ns, end_ns]: name -> (kind, share of samples in flow, samples,
+    share of samples blocked or blocking by an alarm)."""
     df = states
     if start_ns is not None:
         df = df.where(F.col("at_ns") >= F.lit(start_ns))
@@ -102,9 +105,11 @@ def flow_fractions(states: DataFrame, start_ns: int | None, end_ns: int | None) 
     rows = (df.groupBy("name")
               .agg(F.first("kind", ignorenulls=True).alias("kind"),
                    F.count(F.lit(1)).alias("samples"),
-                   F.sum(F.when(F.col("state") == "flow", 1).otherwise(0)).alias("in_flow"))
+                   F.sum(F.when(F.col("state") == "flow", 1).otherwise(0)).alias("in_flow"),
+                   F.sum(F.when(F.col("state").isin("blocked", "blocking"), 1).otherwise(0)).alias("alarmed"))
               .collect())
-    return {row["name"]: (row["kind"] or "", row["in_flow"] / row["samples"], row["samples"])
+    return {row["name"]: (row["kind"] or "", row["in_flow"] / row["samples"], row["samples"],
+                          row["alarmed"] / row["samples"])
             for row in rows if row["samples"]}
 
 
@@ -130,7 +135,7 @@ def members(kinds: dict[str, str], links: list[dict], publishes: dict[str, int])
     return {"reader": readers, "channel": channels, "queue": queues, "store": by_kind["store"]}
 
 
-def diagnose(fractions: dict[str, tuple[str, float, int]], chosen: dict[str, list[str]],
+def diagnose(fractions: dict[str, tuple], chosen: dict[str, list[str]],
              window_s: tuple = (0.0, 0.0)) -> Diagnosis:
     """The diagnosis from per-process fractions and the processes each kind counts."""
     evidence: dict[str, float] = {}
@@ -143,6 +148,11 @@ def diagnose(fractions: dict[str, tuple[str, float, int]], chosen: dict[str, lis
         return Diagnosis("none", evidence, "no connection published during the run: nothing to diagnose",
                          processes, window_s)
     bottleneck, rule = apply_rules(evidence)
+    alarmed = max((fractions[n][3] for n in chosen["reader"] if n in fractions and len(fractions[n]) > 3),
+                  default=0.0)
+    if bottleneck == "none" and alarmed >= CONNECTION_FLOW_MIN:
+        rule += (f"; the publishers were held by a resource alarm instead (blocked or blocking in "
+                 f"{alarmed:.2f} of the window), which is not flow control")
     return Diagnosis(bottleneck, evidence, rule, processes, window_s)
 
 

@@ -14,9 +14,9 @@ the broker's files and the load generator's ``seconds.jsonl`` share one axis.
 The telemetry files are read with explicit schemas naming only the fields the
 report uses: a stage that adds fields costs nothing, one that drops a field
 leaves a null column, and no job is spent inferring a schema from megabytes
-of snapshots. ``seconds.jsonl`` is small and its field names still move, so
-it is read with an inferred schema and its columns are looked up by any of
-their known spellings (:func:`pick`).
+of snapshots. ``seconds.jsonl``'s field names still move, so its schema
+lists every known spelling of a field and :func:`pick` takes the first that
+holds a value.
 
 A missing file reads as an empty DataFrame of the same schema. With a
 cluster master the run directory must be on a path every executor can read.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import (ArrayType, BooleanType, LongType, MapType, StringType,
+from pyspark.sql.types import (ArrayType, BooleanType, DoubleType, LongType, MapType, StringType,
                                StructField, StructType)
 
 LINK_SCHEMA = StructType([
@@ -96,6 +96,21 @@ EVENTS_SCHEMA = StructType([
 ])
 
 
+_PERCENTILES_SCHEMA = StructType([StructField(p, DoubleType())
+                                  for p in ("count", "min", "p50", "p75", "p95", "p99", "max")])
+
+# The load generator's SecondReport, with the older and alternative spellings of
+# the fields the report reads (a missing spelling is a null column; see SECONDS_SPELLINGS).
+SECONDS_SCHEMA = StructType(
+    [StructField(n, DoubleType()) for n in ("time_s", "time", "t_s", "sent_rate", "publish_rate", "sent",
+                                            "confirmed_rate", "confirm_rate", "confirmed", "received_rate",
+                                            "deliver_rate", "received")]
+    + [StructField("at_ns", LongType()),
+       StructField("consumer", _PERCENTILES_SCHEMA), StructField("confirm", _PERCENTILES_SCHEMA),
+       StructField("latency_us", StructType([StructField("consumer", _PERCENTILES_SCHEMA),
+                                             StructField("confirm", _PERCENTILES_SCHEMA)]))])
+
+
 class NotARunDirectory(ValueError):
     """Raised when a path given to the report holds no run (no summary.json and no telemetry)."""
 
@@ -144,9 +159,7 @@ def load_run(spark: SparkSession, run_dir: str) -> RunFrames:
     seconds_path = os.path.join(run_dir, "seconds.jsonl")
     seconds = None
     if os.path.exists(seconds_path) and os.path.getsize(seconds_path) > 0:
-        seconds = spark.read.json(_url(seconds_path))
-        if "_corrupt_record" in seconds.columns and len(seconds.columns) == 1:
-            seconds = None
+        seconds = spark.read.schema(SECONDS_SCHEMA).json(_url(seconds_path))
     return RunFrames(
         run_dir=os.path.abspath(run_dir),
         label=os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
@@ -156,6 +169,14 @@ def load_run(spark: SparkSession, run_dir: str) -> RunFrames:
         events=_read_lines(spark, os.path.join(telemetry, "events.jsonl"), EVENTS_SCHEMA),
         seconds=seconds,
     )
+
+
+def pick(df: DataFrame, *spellings: str, cast: str = "double") -> Column:
+    """The first non-null of ``spellings`` that ``df``'s schema has, cast; a null column if none."""
+    present = [F.col(name).cast(cast) for name in spellings if has_field(df, name)]
+    if not present:
+        return F.lit(None).cast(cast)
+    return present[0] if len(present) == 1 else F.coalesce(*present)
 
 
 def has_field(df: DataFrame, dotted: str) -> bool:
@@ -168,13 +189,5 @@ def has_field(df: DataFrame, dotted: str) -> bool:
     return True
 
 
-def pick(df: DataFrame, *spellings: str, cast: str = "double") -> Column:
-    """The first of ``spellings`` that ``df`` has, cast; a null column if none."""
-    for name in spellings:
-        if has_field(df, name):
-            return F.col(name).cast(cast)
-    return F.lit(None).cast(cast)
-
-
 __all__ = ["EVENTS_SCHEMA", "LINK_SCHEMA", "NotARunDirectory", "RunFrames", "STATES_SCHEMA",
-           "STATS_SCHEMA", "has_field", "load_run", "pick"]
+           "SECONDS_SCHEMA", "STATS_SCHEMA", "has_field", "load_run", "pick"]
