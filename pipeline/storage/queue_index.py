@@ -104,6 +104,8 @@ def embeds(size_bytes: int, embed_below_bytes: int = QUEUE_INDEX_EMBED_MSGS_BELO
 
 
 class QueueIndex:
+    """One durable queue's journal; opening it recovers what the files hold."""
+
     def __init__(self, directory: str, *, file_size_limit_bytes: int = INDEX_FILE_SIZE_LIMIT_BYTES,
                  embed_below_bytes: int = QUEUE_INDEX_EMBED_MSGS_BELOW):
         if file_size_limit_bytes <= 0:
@@ -209,6 +211,7 @@ class QueueIndex:
                 refers.add(origin)
 
     def _write(self, msg_id: bytes, body: bytes) -> int:
+        record = encode_record(msg_id, body)    # a bad id raises before anything changes
         if self._fh is not None and self._offset >= self.file_size_limit_bytes:
             self._fsync_current()
             self._fh.close()
@@ -222,7 +225,6 @@ class QueueIndex:
             self._live_count[self._current] = 0
             self._refers_to[self._current] = set()
             self._dir_dirty = True
-        record = encode_record(msg_id, body)
         self._fh.write(record)
         self._offset += len(record)
         self._file_bytes[self._current] = self._offset

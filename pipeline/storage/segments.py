@@ -135,6 +135,8 @@ class _Entry:
 
 
 class SegmentStore:
+    """The shared store's files, index and refcounts; one writer (the store process)."""
+
     def __init__(self, directory: str, *, file_size_limit_bytes: int = FILE_SIZE_LIMIT_BYTES,
                  fsync_delay_ms: float = 0):
         if file_size_limit_bytes <= 0:
