@@ -14,8 +14,8 @@ it is empty: the shared message store keeps their whole content once, found
 by store id. ``sync`` is the journal's fsync (group commit, called by the queue on its
 200 ms timer or when it has drained with confirms waiting). ``recover`` scans
 every file up to its last whole record and returns the messages published
-and not acked, in order. A file other than the current one is deleted once
-every message published in it has been acked.
+and not acked, in order. Files are deleted from the oldest forward once every
+message published in them has been acked.
 """
 
 from __future__ import annotations
@@ -73,8 +73,14 @@ class QueueJournal:
         self.collect()
 
     def collect(self) -> None:
-        """Delete files, other than the current one, whose every publish has been acked."""
-        for f in [f for f, live in self.file_live.items() if live <= 0 and f != self.current]:
+        """Delete fully acked files from the oldest forward, never past one still holding a live publish.
+
+        Only the oldest file may go: a newer file's ack records may name publishes in an older file,
+        and deleting the newer one first would bring those messages back at the next recovery.
+        """
+        for f in sorted(self.file_live):
+            if f == self.current or self.file_live[f] > 0:
+                return
             del self.file_live[f]
             try:
                 os.unlink(os.path.join(self.dir, f"{f}.jnl"))

@@ -101,3 +101,15 @@ def test_disk_use_stays_bounded_over_a_long_persistent_run(tmp_path):
     on_disk = sum(os.path.getsize(run_dir / "msg_store" / n) for n in os.listdir(run_dir / "msg_store"))
     assert written > 50_000_000, "the run must write far more than the bound below"
     assert on_disk < 4 * 1024 * 1024, f"{on_disk} bytes left in the store after {written} written"
+
+
+def test_a_file_whose_acks_name_an_older_file_is_not_deleted_before_it(tmp_path):
+    journal = QueueJournal(str(tmp_path), file_size_limit_bytes=1_000)
+    journal.publish(1, 2, None, b"old" * 100)                   # file 0, stays unacked
+    journal.publish(2, 2, None, b"x" * 1200)                     # rolls: file 1
+    for i in range(3, 6):
+        journal.publish(i, 2, None, b"y" * 1200)                 # files 2.. 
+    journal.ack([2, 3, 4, 5])                                    # acks land in the newest file
+    journal.close()
+    again = QueueJournal(str(tmp_path), file_size_limit_bytes=1_000)
+    assert [m for m, *_ in again.recover()] == [1], "acked messages must not come back"
