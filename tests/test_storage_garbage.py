@@ -105,11 +105,12 @@ def test_disk_use_stays_bounded_over_a_long_persistent_run(tmp_path):
 
 def test_a_file_whose_acks_name_an_older_file_is_not_deleted_before_it(tmp_path):
     journal = QueueJournal(str(tmp_path), file_size_limit_bytes=1_000)
-    journal.publish(1, 2, None, b"old" * 100)                   # file 0, stays unacked
-    journal.publish(2, 2, None, b"x" * 1200)                     # rolls: file 1
-    for i in range(3, 6):
-        journal.publish(i, 2, None, b"y" * 1200)                 # files 2.. 
-    journal.ack([2, 3, 4, 5])                                    # acks land in the newest file
+    journal.publish(1, 2, None, b"a" * 400)                      # file 0: stays unacked
+    journal.publish(2, 2, None, b"b" * 700)                      # file 0, now full
+    journal.publish(3, 2, None, b"c" * 1100)                     # file 1
+    journal.ack([2])                                             # file 2 opens: holds the ack of 2 (file 0)
+    journal.publish(4, 2, None, b"d" * 1100)                     # file 2, now full
+    journal.ack([3, 4])                                          # file 3; files 1 and 2 are fully acked
     journal.close()
     again = QueueJournal(str(tmp_path), file_size_limit_bytes=1_000)
     assert [m for m, *_ in again.recover()] == [1], "acked messages must not come back"
