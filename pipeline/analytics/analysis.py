@@ -23,7 +23,7 @@ from pyspark.sql import Window
 from pyspark.sql import functions as F
 
 from pipeline.analytics.diagnosis import STEADY_SKIP_NS, Diagnosis, diagnose, flow_fractions, members
-from pipeline.analytics.load import RunFrames, has_field, pick
+from pipeline.analytics.load import RunFrames, pick
 
 NS_PER_S = 1_000_000_000
 SAMPLE_INTERVAL_NS = 100_000_000
@@ -198,4 +198,4 @@ def _spans(events: list[dict], end_s: float) -> list[tuple]:
     return sorted(spans, key=lambda s: s[1])
 
 
-__all__ = ["PERCENTILES", "RunAnalysis", "SAMPLE_INTERVAL_NS", "STATES", "analyse", "has_field"]
+__all__ = ["PERCENTILES", "RunAnalysis", "SAMPLE_INTERVAL_NS", "STATES", "analyse"]
