@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given, settings, strategies as st
 from pamqp import body as pbody, commands, frame, header
 
 from pipeline.amqp import frames
+from pipeline.amqp.errors import FrameError
 from pipeline.loadgen import latency
 from pipeline.loadgen.consumer import DeliveryStream, SequenceChecker
 from pipeline.loadgen.publisher import BODY_HEAD
@@ -126,3 +129,57 @@ def test_consumer_latency_spends_time_per_message_and_measures_each_at_its_turn(
     assert spent == [500, 500, 500]
     p = latency.percentiles(rec.take())
     assert (p["min"], p["max"]) == (10, 1010)       # the third waited for the two before it
+
+
+def test_after_one_delivery_the_same_shape_is_read_in_one_step():
+    s, rec = stream()
+    data = b"".join(deliver(i + 1, body(START_NS, i + 1)) for i in range(5))
+    feed_all(s, data, START_NS + 1000)
+    assert s.shape is not None and s.shape.size == len(deliver(1, body(START_NS, 1)))
+    assert (s.received, s.last_tag, s.sequence.gaps) == (5, 5, 0)
+    assert rec.take().get_total_count() == 5
+
+
+def test_a_change_of_shape_falls_back_and_is_learned_again():
+    s, _ = stream()
+    props2 = frames.properties_raw(delivery_mode=2, content_type="text/plain")
+    other = frames.encode_deliver(1, "ctag", 3, True, "amq.fanout", "", props2, body(START_NS, 3, size=60), 131072)
+    data = (deliver(1, body(START_NS, 1)) + deliver(2, body(START_NS, 2)) + other
+            + deliver(4, body(START_NS, 4)) + frames.encode_heartbeat() + deliver(5, body(START_NS, 5)))
+    seen = []
+    feed_all(s, data, START_NS, lambda *frame: seen.append(frame[0]))
+    assert (s.received, s.last_tag, s.sequence.gaps, s.sequence.duplicates) == (5, 5, 0, 0)
+    assert seen == [8]
+
+
+def test_a_bad_frame_end_inside_a_learned_shape_is_still_a_frame_error():
+    s, _ = stream()
+    good = deliver(1, body(START_NS, 1))
+    bad = bytearray(deliver(2, body(START_NS, 2)))
+    bad[-1] = 0x00
+    with pytest.raises(FrameError, match="invalid_frame_end_marker"):
+        feed_all(s, good + bytes(bad), START_NS)
+    assert s.received == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["q", "queue-two", ""]), st.sampled_from([20, 100, 5000]),
+                          st.booleans()), min_size=1, max_size=12),
+       st.lists(st.integers(min_value=0, max_value=10_000), max_size=4))
+def test_any_mix_of_shapes_and_cuts_counts_every_message(kinds, cuts):
+    data = b""
+    for i, (routing_key, size, heartbeat) in enumerate(kinds):
+        data += frames.encode_deliver(1, "ctag", i + 1, False, "", routing_key, PROPS, body(START_NS, i + 1, size=size),
+                                      4096)
+        if heartbeat:
+            data += frames.encode_heartbeat()
+    s, rec = stream(frame_max=4096)
+    buf = bytearray()
+    sent = 0
+    for cut in sorted(c % (len(data) + 1) for c in cuts) + [len(data)]:
+        buf += data[sent:max(sent, cut)]
+        sent = max(sent, cut)
+        del buf[:s.feed(buf, START_NS + 1000, lambda *a: None)]
+    assert not buf
+    assert (s.received, s.last_tag, s.sequence.gaps, s.sequence.duplicates) == (len(kinds), len(kinds), 0, 0)
+    assert rec.take().get_total_count() == len(kinds)

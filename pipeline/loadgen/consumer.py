@@ -5,7 +5,10 @@ with ``frames.next_frame``: basic.deliver starts a message, its content
 header gives the body size, the first body frame holds the publisher's body
 header (``publisher.BODY_HEAD``: intended send time, sequence, producer id)
 and the message is complete when its body is. Any other frame goes to the
-caller's ``on_other`` (connection.close, basic.cancel, heartbeats).
+caller's ``on_other`` (connection.close, basic.cancel, heartbeats). Once one
+delivery has been walked this way, the following ones of the same byte
+layout are read in one step each (``DeliveryShape``), which halves what a
+consumer spends per message.
 
 Measurements, per complete message:
 - latency = receive time - intended send time. ``time.monotonic_ns`` is one
@@ -31,6 +34,7 @@ batch being whatever one read brought.
 from __future__ import annotations
 
 import select
+import struct
 import time
 from dataclasses import asdict, dataclass
 
@@ -44,6 +48,7 @@ from pipeline.loadgen.report import WorkerLink
 
 REPORT_INTERVAL_NS = 1_000_000_000
 BUSY_WAIT_BELOW_US = 1000
+FRAME_END = frames.FRAME_END
 CONTROL_POLL_BUSY_NS = 20_000_000
 
 
@@ -87,6 +92,31 @@ class ConsumerStatistics:
     acked_tag: int                # highest delivery tag acknowledged
 
 
+class DeliveryShape:
+    """The byte layout consecutive deliveries share, checked and read with one ``struct`` call.
+
+    Once ``next_frame`` has walked one delivery — a basic.deliver of
+    ``method_bytes`` payload, a content header of ``header_bytes`` and a body
+    in one frame of ``body_bytes`` — every later message of a run usually has
+    the same layout: only the delivery tag, the redelivered bit and the body
+    header differ. One unpack then reads the whole message's frame types,
+    channels, sizes, class/method ids, body size and frame-end octets (which
+    must equal the learned ones, ``fixed``) and the body header; any
+    difference hands the bytes back to ``next_frame``. The delivery tag is
+    read with ``frames.decode_deliver`` once per buffer, for the last one.
+    """
+
+    def __init__(self, channel: int, method_bytes: int, header_bytes: int, body_bytes: int):
+        self.struct = struct.Struct(f">BHIHH{method_bytes - 4}xB"
+                                    f"BHIHHQ{header_bytes - 12}xB"
+                                    f"BHIQQI{body_bytes - BODY_HEAD.size}xB")
+        self.size = self.struct.size
+        self.method_end = 7 + method_bytes
+        self.fixed = (1, channel, method_bytes, *frames.BASIC_DELIVER, FRAME_END,
+                      2, channel, header_bytes, frames.CLASS_BASIC, 0, body_bytes, FRAME_END,
+                      3, channel, body_bytes)
+
+
 class DeliveryStream:
     """Turns frames into measured messages (sans-IO: bytes and times in, counts out)."""
 
@@ -105,14 +135,16 @@ class DeliveryStream:
         self._in_content = False     # a basic.deliver was read and its header is awaited
         self._body_left = 0          # body bytes still to come for the current message
         self._head = None            # (intended ns, seq, producer) of the current message, or None
+        self.shape: DeliveryShape | None = None
 
     def feed(self, buf, now_ns: int, on_other) -> int:
         """Consume the whole frames at the start of ``buf``; the number of bytes they took.
 
         ``on_other(ftype, channel, payload_start, payload_end)`` is called for
         frames that are not part of a delivery, before ``feed`` returns. The
-        loop keeps its state in locals: it runs once per frame, three times a
-        message, and is most of what a consumer spends per message.
+        loop runs once per message and is most of what a consumer spends, so
+        its state lives in locals; a message of the learned ``DeliveryShape``
+        is taken in one step, anything else frame by frame with ``next_frame``.
         """
         next_frame = frames.next_frame
         method_id = frames.method_id
@@ -126,32 +158,59 @@ class DeliveryStream:
         run_start_ns = self.run_start_ns
         delay_us = self.delay_us
         in_content, body_left, head = self._in_content, self._body_left, self._head
+        shape = self.shape
+        if shape is not None:
+            shape_unpack, shape_size, shape_fixed, shape_method = (shape.struct.unpack_from, shape.size,
+                                                                   shape.fixed, shape.method_end)
+        msg_start = None                 # where the message being assembled began, if in this buffer
+        method_len = header_len = 0
         received = stale = gaps = duplicates = 0
+        size = len(buf)
         pos = 0
         last_deliver = None
         try:
-            while (found := next_frame(buf, pos, frame_max)) is not None:
-                ftype, channel, ps, pe = found
-                pos = pe + 1
-                if ftype == 3 and body_left > 0:
-                    if head is None and pe - ps >= head_size:
-                        head = unpack_head(buf, ps)
-                    body_left -= pe - ps
-                    if body_left > 0:
+            while True:
+                if shape is not None and body_left <= 0 and not in_content and size - pos >= shape_size:
+                    v = shape_unpack(buf, pos)
+                    if v[:16] == shape_fixed and v[19] == FRAME_END:
+                        last_deliver = (pos + 7, pos + shape_method)
+                        pos += shape_size
+                        head = v[16:19]
+                    else:
+                        shape = self.shape = None        # the stream changed shape; learn it again
                         continue
-                elif ftype == 2 and in_content:
-                    in_content = False
-                    body_left = content_header(buf, ps, pe)[0]
-                    head = None
-                    if body_left > 0:
-                        continue
-                elif ftype == 1 and method_id(buf, ps) == deliver:
-                    last_deliver = (ps, pe)
-                    in_content = True
-                    continue
                 else:
-                    on_other(ftype, channel, ps, pe)
-                    continue
+                    found = next_frame(buf, pos, frame_max)
+                    if found is None:
+                        break
+                    ftype, channel, ps, pe = found
+                    pos = pe + 1
+                    if ftype == 3 and body_left > 0:
+                        if head is None and pe - ps >= head_size:
+                            head = unpack_head(buf, ps)
+                        body_left -= pe - ps
+                        if body_left > 0:
+                            msg_start = None             # several body frames: not a shape to learn
+                            continue
+                        if shape is None and msg_start is not None and head is not None:
+                            shape = self.shape = DeliveryShape(channel, method_len, header_len, pe - ps)
+                            shape_unpack, shape_size, shape_fixed, shape_method = (
+                                shape.struct.unpack_from, shape.size, shape.fixed, shape.method_end)
+                    elif ftype == 2 and in_content:
+                        in_content = False
+                        body_left = content_header(buf, ps, pe)[0]
+                        header_len = pe - ps
+                        head = None
+                        if body_left > 0:
+                            continue
+                    elif ftype == 1 and method_id(buf, ps) == deliver:
+                        last_deliver = (ps, pe)
+                        in_content = True
+                        msg_start, method_len = ps - 7, pe - ps
+                        continue
+                    else:
+                        on_other(ftype, channel, ps, pe)
+                        continue
                 # a message is complete
                 if delay_us:
                     now_ns = self.clock()
@@ -171,13 +230,13 @@ class DeliveryStream:
                     if expected is not None:              # SequenceChecker.observe, inline
                         _, seq, producer = head
                         want = expected.get(producer, 1)
-                        if seq != want:
-                            if seq > want:
-                                gaps += seq - want
-                            else:
-                                duplicates += 1
-                                continue
-                        expected[producer] = seq + 1
+                        if seq == want:
+                            expected[producer] = seq + 1
+                        elif seq > want:
+                            gaps += seq - want
+                            expected[producer] = seq + 1
+                        else:
+                            duplicates += 1
                 if delay_us:
                     self.spend(delay_us)
         finally:
