@@ -1,7 +1,8 @@
 """What a broker run leaves behind for analysis, written by the supervisor.
 
-Files under ``DATA_DIR/telemetry/`` (JSON lines, one object per line;
-timestamps are int64 nanoseconds of the system-wide monotonic clock):
+While the broker runs, files under ``DATA_DIR/telemetry/`` are JSON lines,
+one object per line (timestamps are int64 nanoseconds of the system-wide
+monotonic clock):
 
 * ``stats.jsonl``  every ``statistics()`` snapshot a stage pushed (at most
   every 100 ms per busy stage, at once on block/unblock);
@@ -12,6 +13,14 @@ timestamps are int64 nanoseconds of the system-wide monotonic clock):
 
 ``DATA_DIR/broker.log`` holds the log lines. Writes are buffered and flushed
 once a second so tracing stays off the hot path.
+
+When the broker stops, :meth:`Recorder.close` compacts each ``NAME.jsonl``
+into ``NAME.parquet`` (:mod:`pipeline.telemetry_parquet`: int64-ns columns,
+zstd, the JSONL deleted only once the Parquet file is whole). pyarrow is
+imported only then, after the stages have stopped, so it never adds to the
+memory the broker's alarm measures. If compaction fails the JSONL stays and
+the failure is logged; a broker that is SIGKILLed leaves JSONL too, and the
+report reads either.
 """
 
 from __future__ import annotations
@@ -73,4 +82,19 @@ class Recorder:
             json.dump(final_status, f, default=str)
         for f in self.files.values():
             f.close()
+        self._compact()
         self.logfile.close()
+
+    def _compact(self) -> None:
+        """Turn the closed JSONL files into Parquet; on any failure log it and keep the JSONL."""
+        try:
+            from pipeline import telemetry_parquet   # pyarrow: loaded only now, never while the broker runs
+            results = telemetry_parquet.compact(self.dir)
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, the JSONL is still there
+            self.log("warning", f"telemetry kept as JSON lines: {type(e).__name__}: {e}")
+            return
+        if results:
+            self.log("info", "telemetry compacted to Parquet: " + ", ".join(
+                f"{name} {r['rows']} rows, {r['jsonl_bytes']} -> {r['parquet_bytes']} B in {r['seconds']:.2f} s"
+                + (f", {r['skipped_lines']} unreadable lines skipped" if r["skipped_lines"] else "")
+                for name, r in results.items()))

@@ -2,98 +2,56 @@
 
 A run directory (``creditflow run`` / ``creditflow demo``) holds::
 
-    summary.json            totals, latency percentiles, per-process summary, config
-    seconds.jsonl           one load-generator report a second (time_s, rates, latency)
-    telemetry/stats.jsonl   every statistics() snapshot a stage pushed
-    telemetry/states.jsonl  the supervisor's 100 ms state samples
-    telemetry/events.jsonl  spawn, connection, alarm_set/alarm_clear, stage_died, fsync
+    summary.json              totals, latency percentiles, per-process summary, config
+    seconds.jsonl             one load-generator report a second (time_s, rates, latency)
+    telemetry/stats.parquet   every statistics() snapshot a stage pushed
+    telemetry/states.parquet  the supervisor's 100 ms state samples
+    telemetry/events.parquet  spawn, connection, alarm_set/alarm_clear, stage_died, fsync
 
 All timestamps are int64 nanoseconds of the machine-wide monotonic clock, so
 the broker's files and the load generator's ``seconds.jsonl`` share one axis.
 
-The telemetry files are read with explicit schemas naming only the fields the
-report uses: a stage that adds fields costs nothing, one that drops a field
-leaves a null column, and no job is spent inferring a schema from megabytes
-of snapshots. ``seconds.jsonl``'s field names still move, so its schema
-lists every known spelling of a field and :func:`pick` takes the first that
-holds a value.
+The broker writes its telemetry as ``NAME.jsonl`` while it runs and compacts
+each into ``NAME.parquet`` when it stops (:mod:`pipeline.telemetry_parquet`,
+whose Arrow schemas are the one definition of these tables; the Spark schemas
+here are derived from them). A broker that was SIGKILLed never compacted, so
+``NAME.jsonl`` is read too: the table is the Parquet file's rows followed by
+the JSONL's (both exist only when a later broker on the same data directory
+was killed), and an empty DataFrame of the schema when neither file exists.
+Either way the DataFrame has exactly the schema's columns, and a JSONL line
+that is no JSON object (a torn last line) is dropped, as compaction drops it.
 
-A missing file reads as an empty DataFrame of the same schema. With a
-cluster master the run directory must be on a path every executor can read.
+The telemetry schemas name only the fields the report uses: a stage that adds
+fields costs nothing, one that drops a field leaves a null column, and no job
+is spent inferring a schema from megabytes of snapshots. ``seconds.jsonl``'s
+field names still move, so its schema lists every known spelling of a field
+and :func:`pick` takes the first that holds a value.
+
+With a cluster master the run directory must be on a path every executor can
+read.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.types import (ArrayType, BooleanType, DoubleType, LongType, MapType, StringType,
-                               StructField, StructType)
+from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type
+from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
 
-LINK_SCHEMA = StructType([
-    StructField("sent", LongType()),
-    StructField("records", LongType()),
-    StructField("in_flight", LongType()),
-    StructField("max_in_flight", LongType()),
-    StructField("overflow", LongType()),
-    StructField("credit", LongType()),
-])
+from pipeline import telemetry_parquet as tables
 
-STATS_SCHEMA = StructType([
-    StructField("name", StringType()),
-    StructField("kind", StringType()),
-    StructField("pid", LongType()),
-    StructField("at_ns", LongType()),
-    StructField("state", StringType()),
-    StructField("blocked", BooleanType()),
-    StructField("block_count", LongType()),
-    StructField("blocked_total_ns", LongType()),
-    StructField("links", MapType(StringType(), LINK_SCHEMA)),
-    # reader
-    StructField("publishes", LongType()),
-    StructField("deliveries", LongType()),
-    StructField("first_publish_ns", LongType()),
-    StructField("last_publish_ns", LongType()),
-    # queue
-    StructField("messages", LongType()),
-    # store
-    StructField("fsyncs", LongType()),
-    StructField("fsync_events", ArrayType(ArrayType(LongType()))),
-    # watchdog
-    StructField("memory_used", LongType()),
-    StructField("memory_limit", LongType()),
-    StructField("memory_alarm", BooleanType()),
-    StructField("disk_free", LongType()),
-    StructField("disk_limit", LongType()),
-    StructField("disk_alarm", BooleanType()),
-])
-
-STATES_SCHEMA = StructType([
-    StructField("at_ns", LongType()),
-    StructField("name", StringType()),
-    StructField("kind", StringType()),
-    StructField("state", StringType()),
-])
-
-EVENTS_SCHEMA = StructType([
-    StructField("at_ns", LongType()),
-    StructField("event", StringType()),
-    StructField("name", StringType()),
-    StructField("data", StructType([
-        StructField("duration_ns", LongType()),
-        StructField("source", StringType()),
-        StructField("state", StringType()),
-        StructField("used", LongType()),
-        StructField("free", LongType()),
-        StructField("limit", LongType()),
-        StructField("at_ns", LongType()),
-        StructField("kind", StringType()),
-        StructField("pid", LongType()),
-    ])),
-])
+# The telemetry tables are defined once, in Arrow, next to the compaction that writes them.
+LINK_SCHEMA: StructType = from_arrow_type(tables.LINK_TYPE)
+STATS_SCHEMA: StructType = from_arrow_schema(tables.STATS_SCHEMA)
+STATES_SCHEMA: StructType = from_arrow_schema(tables.STATES_SCHEMA)
+EVENTS_SCHEMA: StructType = from_arrow_schema(tables.EVENTS_SCHEMA)
+TELEMETRY_SCHEMAS = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
+_CORRUPT = "_corrupt_record"
 
 
 _PERCENTILES_SCHEMA = StructType([StructField(p, DoubleType())
@@ -132,10 +90,32 @@ def _url(path: str) -> str:
     return "file://" + os.path.abspath(path)
 
 
-def _read_lines(spark: SparkSession, path: str, schema: StructType) -> DataFrame:
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
+def _read_jsonl(spark: SparkSession, path: str, schema: StructType) -> DataFrame:
+    """JSON lines read with ``schema``, lines that are no JSON object dropped (as compaction skips them).
+
+    Spark reads such a line (a torn last line) as a row of nulls with the line in the corrupt-record
+    column; a line with one value of the wrong type also lands there but keeps its other values.
+    """
+    with_corrupt = StructType(schema.fields + [StructField(_CORRUPT, StringType())])
+    df = (spark.read.schema(with_corrupt).option("mode", "PERMISSIVE")
+          .option("columnNameOfCorruptRecord", _CORRUPT).json(_url(path)))
+    nothing_parsed = functools.reduce(lambda a, b: a & b, [F.col(n).isNull() for n in schema.fieldNames()])
+    return df.where(~(F.col(_CORRUPT).isNotNull() & nothing_parsed)).select(*schema.fieldNames())
+
+
+def _read_telemetry(spark: SparkSession, telemetry_dir: str, name: str) -> DataFrame:
+    """``NAME.parquet`` and/or ``NAME.jsonl`` of ``telemetry_dir`` as one DataFrame of NAME's schema."""
+    schema = TELEMETRY_SCHEMAS[name]
+    parts = []
+    parquet = os.path.join(telemetry_dir, f"{name}.parquet")
+    if os.path.isfile(parquet):
+        parts.append(spark.read.schema(schema).parquet(_url(parquet)).select(*schema.fieldNames()))
+    jsonl = os.path.join(telemetry_dir, f"{name}.jsonl")
+    if os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:
+        parts.append(_read_jsonl(spark, jsonl, schema))
+    if not parts:
         return spark.createDataFrame([], schema)
-    return spark.read.schema(schema).json(_url(path))
+    return parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
 
 
 def _read_json(path: str) -> dict:
@@ -164,9 +144,9 @@ def load_run(spark: SparkSession, run_dir: str) -> RunFrames:
         run_dir=os.path.abspath(run_dir),
         label=os.path.basename(os.path.normpath(os.path.abspath(run_dir))),
         summary=summary,
-        stats=_read_lines(spark, os.path.join(telemetry, "stats.jsonl"), STATS_SCHEMA),
-        states=_read_lines(spark, os.path.join(telemetry, "states.jsonl"), STATES_SCHEMA),
-        events=_read_lines(spark, os.path.join(telemetry, "events.jsonl"), EVENTS_SCHEMA),
+        stats=_read_telemetry(spark, telemetry, "stats"),
+        states=_read_telemetry(spark, telemetry, "states"),
+        events=_read_telemetry(spark, telemetry, "events"),
         seconds=seconds,
     )
 
@@ -190,4 +170,4 @@ def has_field(df: DataFrame, dotted: str) -> bool:
 
 
 __all__ = ["EVENTS_SCHEMA", "LINK_SCHEMA", "NotARunDirectory", "RunFrames", "STATES_SCHEMA",
-           "SECONDS_SCHEMA", "STATS_SCHEMA", "has_field", "load_run", "pick"]
+           "SECONDS_SCHEMA", "STATS_SCHEMA", "TELEMETRY_SCHEMAS", "has_field", "load_run", "pick"]
