@@ -23,7 +23,7 @@ import pytest
 from conftest import ROOT
 from pipeline import telemetry_parquet as tp
 from pipeline.telemetry import Recorder
-from test_report import spark, write_run  # noqa: F401 - the Spark fixture (one session for all) and a synthetic run
+from test_report import write_run
 
 pytestmark = pytest.mark.timeout(120)
 
