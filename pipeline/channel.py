@@ -22,7 +22,7 @@ from pamqp import commands
 from ipc import control
 from pipeline import wire
 from pipeline.amqp import frames
-from pipeline.stage import Stage
+from pipeline.stage import Stage, read_batch_for
 
 CHANNEL_FLOW = (20, 20)
 
@@ -57,6 +57,7 @@ class Channel(Stage):
         self.number = number
         self.reader_name = reader
         self.delay_ns = delay_us * 1000
+        self.read_batch = read_batch_for(self.delay_ns)
         self.frame_max = frame_max
         self.from_reader = None
         self.to_reader = None

@@ -28,7 +28,7 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.journal import QueueJournal, read_store_bodies
 from pipeline.channel import busy_wait_ns
-from pipeline.stage import TRIM_INTERVAL_NS, Stage
+from pipeline.stage import TRIM_INTERVAL_NS, Stage, read_batch_for
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
@@ -114,6 +114,7 @@ class Queue(Stage):
         self.auto_delete = auto_delete
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
+        self.read_batch = read_batch_for(self.delay_ns)
         self.frame_max = frame_max
         self.run_id = run_id
         self.id_prefixes: dict[str, bytes] = {}     # publishing channel -> 8-byte prefix of store ids

@@ -55,7 +55,16 @@ def give_back_heap() -> bool:
     return True
 OVERFLOW_RETRY_MS = 5
 READ_BATCH_RECORDS = 256
+TURN_NS = 1_000_000          # a stage with a per-record delay still hands on its output every ~1 ms
+TURN_BUDGET_NS = 5_000_000   # at most this long reading in-links before the rest of a turn runs
 STOP_DRAIN_NS = 1_000_000_000
+
+
+def read_batch_for(delay_ns: int) -> int:
+    """Records a stage handles per batch when each costs ``delay_ns`` (the delay knobs)."""
+    if delay_ns <= 0:
+        return READ_BATCH_RECORDS
+    return max(1, min(READ_BATCH_RECORDS, TURN_NS // delay_ns))
 
 
 class OutLink:
@@ -198,6 +207,8 @@ class Stage:
         self.started_ns = time.monotonic_ns()
         self.handled_since_trim = 0
         self.last_trim_ns = 0
+        self.read_batch = READ_BATCH_RECORDS
+        self.backlog = False         # the last turn left records unread: do not sleep
         self.trims = 0
 
     # -- hooks for subclasses ------------------------------------------------
@@ -305,16 +316,31 @@ class Stage:
         self.stopping_since_ns = time.monotonic_ns()
 
     def poll_links(self, now_ns: int) -> int:
+        """Handle what the in-links hold. Between full batches the out-links are committed and
+        credit bumps read, as Erlang processes interleave: a slow stage's receivers see its
+        output and grant credit back while it works through a backlog, so only the stage that
+        is really behind runs out of credit."""
         handled = 0
+        batch = self.read_batch
+        self.backlog = False
         for link in list(self.in_links.values()):
-            while True:
-                records = link.read()
+            while link.link_id in self.in_links:
+                records = link.read(batch)
                 if not records:
                     break
                 handled += len(records)
                 for record in records:
                     self.on_record(link, record)
-                if len(records) < READ_BATCH_RECORDS or not self.can_read_more():
+                if len(records) < batch or not self.can_read_more():
+                    break
+                if batch < READ_BATCH_RECORDS:
+                    self.flush_links()     # a slow stage: show the receivers what it has done
+                now = time.monotonic_ns()
+                self.handle_tokens(now)
+                if now - now_ns >= TURN_BUDGET_NS:
+                    # A sender that never lets up must not starve the rest of the turn (a queue's
+                    # deliveries, the other links): finish the turn and come straight back.
+                    self.backlog = True
                     break
         return handled
 
@@ -375,6 +401,8 @@ class Stage:
                 timeout = 0.0 if timeout is None else min(timeout, 0.01)
             if self.in_links:
                 timeout = IDLE_CHECK_S if timeout is None else min(timeout, IDLE_CHECK_S)
+            if self.backlog:
+                timeout = 0.0
             if any(link.overflow for link in self.out_links.values()):
                 retry = OVERFLOW_RETRY_MS / 1000
                 timeout = retry if timeout is None else min(timeout, retry)

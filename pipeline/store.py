@@ -18,7 +18,7 @@ import time
 
 from pipeline import wire
 from pipeline.channel import busy_wait_ns
-from pipeline.stage import READ_BATCH_RECORDS, Stage
+from pipeline.stage import READ_BATCH_RECORDS, Stage, read_batch_for
 from pipeline.journal import held_store_ids
 from pipeline.storage.segments import FILE_SIZE_LIMIT_BYTES, SYNC_INTERVAL_MS, SegmentStore
 
@@ -41,6 +41,7 @@ class Store(Stage):
         self.last_collect_ns = 0
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
+        self.read_batch = read_batch_for(self.delay_ns)
         self.sync_interval_ns = fsync_interval_ms * 1_000_000
         self.confirm_after = confirm_after
         self.unsynced: dict[int, list[bytes]] = {}      # in-link id -> ids written since the last fsync

@@ -147,6 +147,31 @@ def _owner_alive(name: str) -> bool:
         return True
     return True
 
+def run_creditflow(run_dir: Path, *args: str, timeout_s: float = 90) -> tuple[int, str, dict]:
+    """``creditflow run`` into ``run_dir``, its process group killed however it ends:
+    (exit code, output, summary.json or {})."""
+    proc = subprocess.Popen(creditflow_cmd("run", "--run-dir", str(run_dir), "--plain", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, cwd=ROOT)
+    _started.append(proc)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        kill_group(proc)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return proc.returncode, out, summary
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """The one local SparkSession of a test session (two cores, as CI has)."""
+    pytest.importorskip("pyspark")
+    from pipeline.analytics.session import new_session
+    session = new_session("local[2]")
+    yield session
+    session.stop()
+
 
 @pytest.fixture(scope="session", autouse=True)
 def no_leftovers():

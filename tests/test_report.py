@@ -28,7 +28,6 @@ pyspark = pytest.importorskip("pyspark")
 
 from pipeline.analytics import diagnosis as rules  # noqa: E402
 from pipeline.analytics.report import build_report  # noqa: E402
-from pipeline.analytics.session import new_session  # noqa: E402
 
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(120)]
 
@@ -43,13 +42,6 @@ BLUE = (0x1E, 0x88, 0xE5)          # plots.py: published / used line
 FLOW_AMBER = (0xFF, 0xB3, 0x00)    # plots.py: STATE_COLOURS["flow"]
 RUNNING_GREEN = (0x4C, 0xAF, 0x50)
 FSYNC_BROWN = (0x6D, 0x4C, 0x41)
-
-
-@pytest.fixture(scope="session")
-def spark():
-    session = new_session("local[2]")
-    yield session
-    session.stop()
 
 
 # -- writing a run directory ------------------------------------------------------------------------------
