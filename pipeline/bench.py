@@ -37,6 +37,7 @@ SCENARIOS = [
     ("credit off {0,0}, 100 B 1->1", {"size": 100}, {"credit": CreditSpec(0, 0)}),
 ]
 NOT_SUPPORTED: list[tuple[str, str]] = []
+TRACING_LOAD = {"size": 100}      # the tracing overhead is measured on the fastest scenario
 
 
 def _median(values):
@@ -64,6 +65,19 @@ def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, secon
         if vals:
             out[key] = {"median": _median(vals), "min": min(vals), "max": max(vals)}
     return out
+
+
+def measure_tracing_overhead(runs: int, seconds: int, workdir: str) -> dict:
+    """Transient 100 B with telemetry on and off, runs alternating so drift in the machine's
+    load hits both alike; overhead = 1 - median(on) / median(off), on the deliver rate."""
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    for _ in range(runs):
+        for mode in ("on", "off"):
+            r = run_scenario(f"tracing-{mode}", TRACING_LOAD, {"telemetry": mode == "on"}, 1, seconds, workdir)
+            rates[mode].append(r["deliver_rate"]["median"])
+    on, off = _median(rates["on"]), _median(rates["off"])
+    return {"deliver_rate_on": rates["on"], "deliver_rate_off": rates["off"],
+            "median_on": on, "median_off": off, "overhead": 1 - on / off if off else None}
 
 
 # -- micro-benchmarks ---------------------------------------------------------------------------
@@ -231,6 +245,12 @@ def run_bench(args) -> int:
         ratio = on["deliver_rate"]["median"] / off["deliver_rate"]["median"]
         results["credit_on_off_ratio"] = ratio
         print(f"{'credit on / credit off (deliver rate)':<40} {ratio:.2f}")
+    if not args.only or "tracing" in args.only:
+        with tempfile.TemporaryDirectory(prefix="creditflow-bench-") as workdir:
+            t = results["tracing"] = measure_tracing_overhead(args.runs, args.seconds, workdir)
+        print(f"{'telemetry on / off, 100 B (deliver)':<40} {t['median_on']:,.0f} / {t['median_off']:,.0f} msg/s: "
+              f"overhead {100 * t['overhead']:.1f}% (runs on {', '.join(f'{v:,.0f}' for v in t['deliver_rate_on'])}; "
+              f"off {', '.join(f'{v:,.0f}' for v in t['deliver_rate_off'])})", flush=True)
     for name, name_batch in (("ring, batches of 64", 64), ("ring, one at a time", 1)):
         results["micro"][name] = micro_ring(name_batch)
         print(f"{name:<40} {results['micro'][name]:,.0f} records/s (write + read)")

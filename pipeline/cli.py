@@ -104,6 +104,9 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frame-max", type=pos_int, default=131072)
     g.add_argument("--channel-max", type=pos_int, default=2047)
     g.add_argument("--connection-max", type=pos_int, default=1000)
+    g.add_argument("--telemetry", choices=("on", "off"), default="on",
+                   help="on (default): statistics snapshots every 100 ms and state samples in "
+                        "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
     g.add_argument("--max-message-bytes", type=pos_int, default=1024 * 1024,
                    help="largest message accepted (default 1 MiB; rings hold at least two)")
 
@@ -123,7 +126,7 @@ def broker_config(args, data_dir: str, port: int):
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
-        paging_ratio=args.paging_ratio)
+        paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on")
 
 
 def build_parser() -> Parser:

@@ -208,6 +208,7 @@ class Stage:
         self.handled_since_trim = 0
         self.last_trim_ns = 0
         self.read_batch = READ_BATCH_RECORDS
+        self.stats_interval_ns = STATS_INTERVAL_MS * 1_000_000
         self.backlog = False         # the last turn left records unread: do not sleep
         self.trims = 0
 
@@ -395,7 +396,7 @@ class Stage:
             now = time.monotonic_ns()
             timeout = self.timeout_s(now)
             if self.dirty:
-                due = (self.last_stats_ns + STATS_INTERVAL_MS * 1_000_000 - now) / 1e9
+                due = (self.last_stats_ns + self.stats_interval_ns - now) / 1e9
                 timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
             if self.stopping_since_ns is not None:
                 timeout = 0.0 if timeout is None else min(timeout, 0.01)
@@ -435,7 +436,7 @@ class Stage:
                 self.dirty = False
             elif key != self.was_blocked:
                 self.dirty = True
-            elif self.dirty and now - self.last_stats_ns >= STATS_INTERVAL_MS * 1_000_000:
+            elif self.dirty and now - self.last_stats_ns >= self.stats_interval_ns:
                 self.push_stats(now)
                 self.dirty = False
             if self.stopping_since_ns is not None and (

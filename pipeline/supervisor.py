@@ -51,6 +51,7 @@ EXCHANGE_TYPES = ("direct", "fanout", "topic")
 PREDECLARED_EXCHANGES = {"amq.direct": "direct", "amq.fanout": "fanout", "amq.topic": "topic"}
 STOP_GRACE_S = 3.0
 SAMPLE_INTERVAL_MS = 100
+UNTRACED_STATS_INTERVAL_MS = 1000   # --telemetry off: what status and the live view still need
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
@@ -77,6 +78,7 @@ class BrokerConfig:
     confirm_after: str = "fsync"
     store_file_bytes: int = 16 * 1024 * 1024
     paging_ratio: float = 0.5
+    telemetry: bool = True          # off: no snapshot or state-sample files, stages report once a second
     watchdog: dict = field(default_factory=dict)
 
 
@@ -197,6 +199,8 @@ class Supervisor:
                     _child_setup(f"cf-{name}", {inbox_r, doorbell.fileno(), child_ctl.fileno(), *extra_keep})
                     signal.pthread_sigmask(signal.SIG_SETMASK, old)
                     stage = factory(child_ctl, inbox_r, doorbell.fileno())
+                    if not self.cfg.telemetry and hasattr(stage, "stats_interval_ns"):
+                        stage.stats_interval_ns = UNTRACED_STATS_INTERVAL_MS * 1_000_000
                     code = stage.run()
                 except BaseException:
                     traceback.print_exc()
@@ -390,7 +394,8 @@ class Supervisor:
         kind = msg.get("type")
         if kind == "stats":
             self.stats[proc.name] = msg
-            self.telemetry.stats(msg)
+            if self.cfg.telemetry:
+                self.telemetry.stats(msg)
             if proc.kind == "watchdog":
                 self.check_paging(msg)
         elif kind == "log":
@@ -621,7 +626,8 @@ class Supervisor:
             s["samples"] += 1
             if state in s:
                 s[state] += 1
-            self.telemetry.state(now, name, st.get("kind"), state)
+            if self.cfg.telemetry:
+                self.telemetry.state(now, name, st.get("kind"), state)
 
     # -- children that end -------------------------------------------------------------------
     def reap(self) -> None:

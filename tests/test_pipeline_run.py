@@ -63,3 +63,31 @@ def test_bad_option_exits_2_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "100,200" in proc.stderr
+
+
+def _rows(telemetry_dir, name: str) -> int:
+    """Rows of one telemetry table, whichever form it was left in."""
+    parquet, lines = telemetry_dir / f"{name}.parquet", telemetry_dir / f"{name}.jsonl"
+    if parquet.exists():
+        import pyarrow.parquet as pq
+        return pq.read_metadata(parquet).num_rows
+    return len(lines.read_text().splitlines()) if lines.exists() else 0
+
+
+def test_telemetry_off_records_no_snapshots_and_loses_nothing(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "100", "-z", "3", "--telemetry", "off")
+    assert code == 0, out
+    assert s["delivered"] == s["published"] > 1000 and s["lost"] == 0
+    tele = tmp_path / "run" / "telemetry"
+    assert _rows(tele, "stats") == 0 and _rows(tele, "states") == 0
+    assert _rows(tele, "events") > 0                      # spawns and the like are still written
+    assert len([line for line in out.splitlines() if line.startswith("time ")]) >= 2
+    assert {p["kind"] for p in s["processes"].values()} >= {"reader", "channel", "queue", "store"}
+
+
+def test_telemetry_on_records_snapshots_of_every_stage(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "100", "-z", "2")
+    assert code == 0, out
+    tele = tmp_path / "run" / "telemetry"
+    # every stage pushes at most every 100 ms while busy: several per stage over two seconds
+    assert _rows(tele, "stats") >= 4 * 5 and _rows(tele, "states") >= 4 * 15
