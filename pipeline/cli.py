@@ -20,6 +20,7 @@ EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_LOST = 5
 EXIT_NO_BROKER = 6
+EXIT_POINTS_FAILED = 1          # sweep: some points did not finish cleanly
 
 
 class UsageError(Exception):
@@ -174,6 +175,13 @@ def build_parser() -> Parser:
     report.add_argument("--master", default=None, help="Spark master URL (default local[*])")
     report.add_argument("--out", default=None, help="where to write a comparison of several runs")
 
+    sweep = sub.add_parser("sweep", help="a grid of runs, each a Spark task, in one table and a comparison")
+    sweep.add_argument("grid", metavar="GRID.toml", help="[run] options every point shares, [grid] lists to combine")
+    sweep.add_argument("--master", default=None, help="Spark master URL (default local[PARALLEL])")
+    sweep.add_argument("--parallel", type=pos_int, default=1,
+                       help="points run at once with the local master (default 1: a run needs the machine)")
+    sweep.add_argument("--out", default=None, help="where to write the sweep (default sweeps/<grid>-<time>)")
+
     bench = sub.add_parser("bench", help="scenarios (median of N runs), micro-benchmarks, alarm reaction")
     bench.add_argument("--runs", type=pos_int, default=3)
     bench.add_argument("--seconds", type=pos_int, default=10, help="seconds per scenario run (default 10)")
@@ -194,7 +202,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo,
-                   "report": cmd_report, "bench": cmd_bench}[args.command]
+                   "report": cmd_report, "sweep": cmd_sweep, "bench": cmd_bench}[args.command]
         return handler(args)
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)
@@ -263,6 +271,31 @@ def cmd_report(args) -> int:
         return EXIT_USAGE
     print(build_report(list(args.run_dirs), master=args.master, out_dir=args.out))
     return EXIT_OK
+
+
+def cmd_sweep(args) -> int:
+    from pipeline.sweep import GridError, load_grid
+    try:
+        points = load_grid(args.grid)
+    except GridError as exc:
+        raise UsageError(f"creditflow sweep: {exc}") from None
+    stem = os.path.splitext(os.path.basename(args.grid))[0]
+    out_dir = args.out or os.path.join("sweeps", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    from pipeline.analytics.sweep import run_sweep
+    done = run_sweep(points, out_dir, master=args.master, parallel=args.parallel)
+    keys = list(points[0].values)
+    print(" | ".join([*keys, "deliver msg/s", "consumer p99 ms", "bottleneck", "exit"]))
+    for row in done["rows"]:
+        rate, p99 = row.get("deliver_rate"), row.get("consumer_p99_us")
+        print(" | ".join([*(str(row.get(k)) for k in keys), f"{rate:,.0f}" if rate is not None else "-",
+                          f"{p99 / 1000:,.1f}" if p99 is not None else "-", str(row.get("bottleneck") or "-"),
+                          str(row.get("exit_code"))]))
+    print(f"{done['points']} points in {done['seconds']} s ({done['tasks_seconds']} s running them); "
+          f"{done['failed']} failed")
+    print(f"table: {done['parquet']}, {done['csv']}")
+    if done["index"]:
+        print(done["index"])
+    return EXIT_OK if not done["failed"] else EXIT_POINTS_FAILED
 
 
 def cmd_demo(args) -> int:

@@ -1,0 +1,104 @@
+"""``creditflow sweep``: grid files into points, and a real two-point sweep on the session's Spark."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+
+import pytest
+
+from conftest import ROOT, creditflow_cmd
+from pipeline.sweep import GridError, load_grid, points_of
+
+GRID = """
+[run]
+producers = 1
+consumers = 1
+time = 2
+autoack = false
+
+[grid]
+credit = ["400,200", "0,0"]
+size = [100, 4096]
+"""
+
+
+def test_every_combination_is_a_point_with_the_shared_options_first(tmp_path):
+    path = tmp_path / "grid.toml"
+    path.write_text(GRID)
+    points = load_grid(str(path))
+    assert [p.values for p in points] == [{"credit": "400,200", "size": 100}, {"credit": "400,200", "size": 4096},
+                                          {"credit": "0,0", "size": 100}, {"credit": "0,0", "size": 4096}]
+    assert points[0].args == ("--producers", "1", "--consumers", "1", "--time", "2",
+                              "--credit", "400,200", "--size", "100")
+    assert [p.index for p in points] == [1, 2, 3, 4]
+    assert len({p.name for p in points}) == 4 and points[2].name == "p03-credit=0,0-size=100"
+    assert all(p.seconds == 2 for p in points)
+
+
+def test_a_true_flag_is_passed_and_single_letter_keys_are_short_options():
+    points = points_of({"run": {"a": True, "z": 3}, "grid": {"L": [0, 500]}})
+    assert points[1].args == ("-a", "-z", "3", "-L", "500")
+    assert points[1].seconds == 3
+
+
+@pytest.mark.parametrize("doc, words", [
+    ({"run": {"time": 2}}, "needs a [grid]"),
+    ({"grid": {"size": []}}, "grid.size must be a non-empty list"),
+    ({"grid": {"size": 100}}, "grid.size must be a non-empty list"),
+    ({"grid": {"size": [100]}, "extra": {}}, "unknown table(s) extra"),
+    ({"run": {"run-dir": "x"}, "grid": {"size": [100]}}, "run-dir is set by the sweep"),
+    ({"grid": {"port": [5672]}}, "port is set by the sweep"),
+    ({"grid": {"credit": ["400,200", "100,200"]}}, "point credit=100,200"),
+    ({"grid": {"no-such-option": [1]}}, "unrecognized arguments"),
+    ({"grid": {"size": [{"a": 1}]}}, "is not a number, string or true/false"),
+])
+def test_a_bad_grid_is_refused_before_anything_runs(doc, words):
+    with pytest.raises(GridError) as err:
+        points_of(doc)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_cli_exits_2_with_one_line_for_a_bad_grid(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[grid]\nsize = [100, 'big']\n")
+    for path in (bad, tmp_path / "missing.toml"):
+        proc = subprocess.run(creditflow_cmd("sweep", str(path)), capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+        assert proc.returncode == 2, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1 and str(path.name) in proc.stderr
+    assert not (ROOT / "sweeps").exists() or not any((ROOT / "sweeps").glob("bad-*"))
+
+
+@pytest.mark.processes
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_two_point_sweep_lands_in_one_table_and_a_comparison(spark, tmp_path):
+    pytest.importorskip("pyspark")
+    from pipeline.analytics.sweep import run_sweep
+    import pyarrow.parquet as pq
+
+    points = points_of({"run": {"producers": 1, "consumers": 1, "time": 2, "size": 100},
+                        "grid": {"credit": ["400,200", "0,0"]}})
+    out = tmp_path / "sweep"
+    done = run_sweep(points, str(out), log=lambda line: None)
+
+    assert done["points"] == 2 and done["failed"] == 0
+    table = pq.read_table(out / "sweep.parquet").to_pylist()
+    assert [row["credit"] for row in table] == ["400,200", "0,0"]
+    for row in table:
+        assert row["exit_code"] == 0 and row["lost"] == 0
+        assert row["delivered"] == row["published"] > 1000
+        assert row["deliver_rate"] > 0 and row["bottleneck"] in ("channel", "queue", "message_store", "none")
+        diagnosis = json.loads((out / "points" / row["run"] / "report" / "diagnosis.json").read_text())
+        assert diagnosis["bottleneck"] == row["bottleneck"]
+    # with credit off nothing is ever in flow
+    assert table[1]["flow_reader"] == 0 and table[1]["bottleneck"] == "none"
+    with open(out / "sweep.csv", newline="") as f:
+        assert [r["credit"] for r in csv.DictReader(f)] == ["400,200", "0,0"]
+    page = (out / "index.html").read_text()
+    assert "p01-credit=400,200" in page and "p02-credit=0,0" in page
+    assert (out / "compare_rates.png").stat().st_size > 5000
