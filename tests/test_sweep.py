@@ -84,7 +84,7 @@ def test_a_two_point_sweep_lands_in_one_table_and_a_comparison(spark, tmp_path):
     points = points_of({"run": {"producers": 1, "consumers": 1, "time": 2, "size": 100},
                         "grid": {"credit": ["400,200", "0,0"]}})
     out = tmp_path / "sweep"
-    done = run_sweep(points, str(out), log=lambda line: None)
+    done = run_sweep(points, str(out), log=print)
 
     assert done["points"] == 2 and done["failed"] == 0
     table = pq.read_table(out / "sweep.parquet").to_pylist()

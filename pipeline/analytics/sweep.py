@@ -21,12 +21,14 @@ the driver share: executors write the run directories, the driver reads them.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
+from pyspark.sql import functions as F
 
 from pipeline.analytics.analysis import analyse
 from pipeline.analytics.load import load_run
@@ -39,13 +41,17 @@ RESULT_COLUMNS = ("exit_code", "host", "task_seconds", "run_dir")
 
 
 def run_tasks(spark, points: list[Point], out_dir: str) -> list[dict]:
-    """Each point as one Spark task; the tasks' results in point order."""
-    tasks = [p.to_task() for p in points]
-    results = (spark.sparkContext
-               .parallelize(tasks, numSlices=len(tasks))
-               .map(lambda task: run_point(task, out_dir))
-               .collect())
-    return sorted(results, key=lambda r: r["index"])
+    """Each point as one Spark task; the tasks' results in point order.
+
+    ``range(n)`` in n partitions gives every point a partition, hence a task, of
+    its own; the UDF is non-deterministic so Spark never runs a point twice to
+    plan a query. Only the DataFrame API is used (no RDDs), so a Spark Connect
+    session can run the sweep as well as a classic one.
+    """
+    tasks = {i: p.to_task() for i, p in enumerate(points)}
+    run = F.udf(lambda i: json.dumps(run_point(tasks[i], out_dir)), "string", useArrow=False).asNondeterministic()
+    rows = spark.range(0, len(tasks), 1, len(tasks)).select(run("id").alias("result")).collect()
+    return sorted((json.loads(row["result"]) for row in rows), key=lambda r: r["index"])
 
 
 def table_rows(points: list[Point], results: list[dict], analysed: dict) -> list[dict]:
