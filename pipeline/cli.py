@@ -173,11 +173,15 @@ def build_parser() -> Parser:
     report = sub.add_parser("report", help="Spark report of one run, or several runs side by side")
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
     report.add_argument("--master", default=None, help="Spark master URL (default local[*])")
+    report.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                        help="run on a Spark Connect server instead (needs the [connect] extra)")
     report.add_argument("--out", default=None, help="where to write a comparison of several runs")
 
     sweep = sub.add_parser("sweep", help="a grid of runs, each a Spark task, in one table and a comparison")
     sweep.add_argument("grid", metavar="GRID.toml", help="[run] options every point shares, [grid] lists to combine")
     sweep.add_argument("--master", default=None, help="Spark master URL (default local[PARALLEL])")
+    sweep.add_argument("--remote", default=None, metavar="sc://HOST:PORT",
+                       help="run on a Spark Connect server instead (needs the [connect] extra)")
     sweep.add_argument("--parallel", type=pos_int, default=1,
                        help="points run at once with the local master (default 1: a run needs the machine)")
     sweep.add_argument("--out", default=None, help="where to write the sweep (default sweeps/<grid>-<time>)")
@@ -269,8 +273,21 @@ def cmd_report(args) -> int:
     except ImportError:
         print("creditflow report: the Spark report is not part of this build yet", file=sys.stderr)
         return EXIT_USAGE
-    print(build_report(list(args.run_dirs), master=args.master, out_dir=args.out))
+    check_spark_target(args, "report")
+    print(build_report(list(args.run_dirs), master=args.master, out_dir=args.out, remote=args.remote))
     return EXIT_OK
+
+
+def check_spark_target(args, command: str) -> None:
+    """--master and --remote exclude each other; --remote needs Spark Connect's client libraries."""
+    if args.master and args.remote:
+        raise UsageError(f"creditflow {command}: give --master or --remote, not both")
+    if args.remote:
+        import importlib.util
+        missing = [m for m in ("grpc", "pandas", "google.protobuf") if importlib.util.find_spec(m) is None]
+        if missing:
+            raise UsageError(f"creditflow {command}: --remote needs Spark Connect's client "
+                             f"(pip install 'creditflow[connect]'); missing {', '.join(missing)}")
 
 
 def cmd_sweep(args) -> int:
@@ -279,10 +296,11 @@ def cmd_sweep(args) -> int:
         points = load_grid(args.grid)
     except GridError as exc:
         raise UsageError(f"creditflow sweep: {exc}") from None
+    check_spark_target(args, "sweep")
     stem = os.path.splitext(os.path.basename(args.grid))[0]
     out_dir = args.out or os.path.join("sweeps", f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     from pipeline.analytics.sweep import run_sweep
-    done = run_sweep(points, out_dir, master=args.master, parallel=args.parallel)
+    done = run_sweep(points, out_dir, master=args.master, parallel=args.parallel, remote=args.remote)
     keys = list(points[0].values)
     print(" | ".join([*keys, "deliver msg/s", "consumer p99 ms", "bottleneck", "exit"]))
     for row in done["rows"]:

@@ -102,3 +102,35 @@ def test_a_two_point_sweep_lands_in_one_table_and_a_comparison(spark, tmp_path):
     page = (out / "index.html").read_text()
     assert "p01-credit=400,200" in page and "p02-credit=0,0" in page
     assert (out / "compare_rates.png").stat().st_size > 5000
+
+
+@pytest.mark.timeout(60)
+def test_master_and_remote_together_are_refused(tmp_path):
+    grid = tmp_path / "g.toml"
+    grid.write_text("[grid]\nsize = [100]\n")
+    proc = subprocess.run(creditflow_cmd("sweep", str(grid), "--master", "local[1]", "--remote", "sc://h:15002"),
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "--master or --remote, not both" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.processes
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_sweep_runs_on_spark_connect(tmp_path):
+    """``--remote local[2]`` starts a Spark Connect server of its own: the same client path as a
+    remote ``sc://`` cluster, in a process of its own so it does not meet the session's Spark."""
+    pytest.importorskip("pyspark.sql.connect")
+    grid = tmp_path / "grid.toml"
+    grid.write_text("[run]\ntime = 2\nsize = 100\n\n[grid]\nproducers = [1, 2]\n")
+    out = tmp_path / "sweep"
+    proc = subprocess.run(creditflow_cmd("sweep", str(grid), "--remote", "local[2]", "--out", str(out)),
+                          capture_output=True, text=True, timeout=280, cwd=ROOT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "2 points in" in proc.stdout and "0 failed" in proc.stdout
+    with open(out / "sweep.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["producers"] for r in rows] == ["1", "2"]
+    assert all(r["exit_code"] == "0" and int(r["delivered"]) == int(r["published"]) > 1000 for r in rows)
+    assert (out / "index.html").exists()

@@ -63,7 +63,8 @@ def default_compare_dir() -> str:
     return os.path.abspath(f"report-compare-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
 
 
-def build_report(run_dirs: list[str], master: str | None = None, out_dir: str | None = None) -> str:
+def build_report(run_dirs: list[str], master: str | None = None, out_dir: str | None = None,
+                 remote: str | None = None) -> str:
     """Report one run (or compare several); returns the path of the index.html written.
 
     One run: ``out_dir`` is ignored and the report goes to RUN_DIR/report/.
@@ -71,7 +72,7 @@ def build_report(run_dirs: list[str], master: str | None = None, out_dir: str | 
     """
     if not run_dirs:
         raise ValueError("build_report needs at least one run directory")
-    with spark_session(master) as spark:
+    with spark_session(master, remote) as spark:
         analysed = [analyse(load_run(spark, d)) for d in run_dirs]
     indexes = [write_run_report(run) for run in analysed]
     if len(analysed) == 1:

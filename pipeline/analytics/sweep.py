@@ -33,7 +33,7 @@ from pyspark.sql import functions as F
 from pipeline.analytics.analysis import analyse
 from pipeline.analytics.load import load_run
 from pipeline.analytics.report import write_comparison, write_run_report
-from pipeline.analytics.session import spark_session
+from pipeline.analytics.session import describe, spark_session
 from pipeline.analytics.tables import RUN_COLUMNS, run_row
 from pipeline.sweep import Point, run_point
 
@@ -88,13 +88,13 @@ def write_table(rows: list[dict], columns: list[str], out_dir: str) -> tuple[str
 
 
 def run_sweep(points: list[Point], out_dir: str, master: str | None = None, parallel: int = 1,
-              log=print) -> dict:
+              log=print, remote: str | None = None) -> dict:
     """Run every point, report on each, write the table and the comparison; returns what was written."""
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     started = time.monotonic()
-    with spark_session(master or f"local[{parallel}]") as spark:
-        log(f"sweep: {len(points)} points on {spark.sparkContext.master}, into {out_dir}")
+    with spark_session(master or f"local[{parallel}]", remote) as spark:
+        log(f"sweep: {len(points)} points on {describe(spark)}, into {out_dir}")
         results = run_tasks(spark, points, out_dir)
         tasks_done = time.monotonic()
         analysed = {}
