@@ -308,7 +308,7 @@ def cmd_sweep(args) -> int:
         print(" | ".join([*(str(row.get(k)) for k in keys), f"{rate:,.0f}" if rate is not None else "-",
                           f"{p99 / 1000:,.1f}" if p99 is not None else "-", str(row.get("bottleneck") or "-"),
                           str(row.get("exit_code"))]))
-    print(f"{done['points']} points in {done['seconds']} s ({done['tasks_seconds']} s running them); "
+    print(f"{done['points']} point{'s' if done['points'] != 1 else ''} in {done['seconds']} s ({done['tasks_seconds']} s running them); "
           f"{done['failed']} failed")
     print(f"table: {done['parquet']}, {done['csv']}")
     if done["index"]:

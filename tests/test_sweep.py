@@ -134,3 +134,28 @@ def test_a_sweep_runs_on_spark_connect(tmp_path):
     assert [r["producers"] for r in rows] == ["1", "2"]
     assert all(r["exit_code"] == "0" and int(r["delivered"]) == int(r["published"]) > 1000 for r in rows)
     assert (out / "index.html").exists()
+
+
+@pytest.mark.processes
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_spark_submit_runs_a_sweep_under_its_own_master(tmp_path):
+    """The cluster recipe of the README, on a local master: spark-submit's --master is the one used."""
+    import os
+    import sys
+    from pathlib import Path
+    pyspark = pytest.importorskip("pyspark")
+    home = Path(pyspark.__file__).parent
+    grid = tmp_path / "grid.toml"
+    grid.write_text("[run]\ntime = 2\n\n[grid]\nsize = [100]\n")
+    out = tmp_path / "sweep"
+    env = dict(os.environ, SPARK_HOME=str(home), PYSPARK_PYTHON=sys.executable, PYSPARK_DRIVER_PYTHON=sys.executable)
+    proc = subprocess.run([str(home / "bin" / "spark-submit"), "--master", "local[1]", "--conf", "spark.task.cpus=1",
+                           str(ROOT / "scripts" / "spark_driver.py"), "sweep", str(grid), "--out", str(out)],
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path, env=env, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "sweep: 1 point on local[1]" in proc.stdout and "0 failed" in proc.stdout
+    with open(out / "sweep.csv", newline="") as f:
+        [row] = list(csv.DictReader(f))
+    assert row["size"] == "100" and row["exit_code"] == "0" and int(row["delivered"]) > 1000

@@ -38,8 +38,10 @@ def new_session(master: str | None = None, remote: str | None = None) -> SparkSe
                 .config("spark.sql.session.timeZone", "UTC")
                 .config("spark.sql.shuffle.partitions", str(SHUFFLE_PARTITIONS))
                 .getOrCreate())
-    session = (SparkSession.builder
-               .master(master or DEFAULT_MASTER)
+    builder = SparkSession.builder
+    if master or not under_spark_submit():
+        builder = builder.master(master or DEFAULT_MASTER)   # else spark-submit's --master stands
+    session = (builder
                .appName(APP_NAME)
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
@@ -49,6 +51,11 @@ def new_session(master: str | None = None, remote: str | None = None) -> SparkSe
                .getOrCreate())
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def under_spark_submit() -> bool:
+    """Whether this driver was launched by spark-submit (its JVM is already up and configured)."""
+    return bool(os.environ.get("PYSPARK_GATEWAY_PORT"))
 
 
 @contextlib.contextmanager

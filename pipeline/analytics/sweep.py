@@ -33,7 +33,7 @@ from pyspark.sql import functions as F
 from pipeline.analytics.analysis import analyse
 from pipeline.analytics.load import load_run
 from pipeline.analytics.report import write_comparison, write_run_report
-from pipeline.analytics.session import describe, spark_session
+from pipeline.analytics.session import describe, spark_session, under_spark_submit
 from pipeline.analytics.tables import RUN_COLUMNS, run_row
 from pipeline.sweep import Point, run_point
 
@@ -93,8 +93,10 @@ def run_sweep(points: list[Point], out_dir: str, master: str | None = None, para
     out_dir = os.path.abspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     started = time.monotonic()
-    with spark_session(master or f"local[{parallel}]", remote) as spark:
-        log(f"sweep: {len(points)} points on {describe(spark)}, into {out_dir}")
+    if master is None and not under_spark_submit():
+        master = f"local[{parallel}]"
+    with spark_session(master, remote) as spark:
+        log(f"sweep: {len(points)} point{'s' if len(points) != 1 else ''} on {describe(spark)}, into {out_dir}")
         results = run_tasks(spark, points, out_dir)
         tasks_done = time.monotonic()
         analysed = {}
