@@ -38,7 +38,7 @@ This module imports pyarrow, so only code that runs after the broker's stages
 Cost, measured on the 2-core machine for a 60 s run (5.9 MB of stats.jsonl,
 9k snapshots): about 0.5 s and 180 MB peak RSS, of which about 0.3 s is
 pyarrow importing pandas (when installed) on its first Python conversion.
-The Parquet files are about 3% of the JSONL's size.
+The Parquet files are about 6% of the JSONL's size (a real 20 s run: 2.09 MB -> 121 kB).
 """
 
 from __future__ import annotations
