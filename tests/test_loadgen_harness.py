@@ -269,13 +269,31 @@ class EchoBroker:
         assert not self.errors, self.errors
 
 
+_ELDERS: set = set()     # children the test process already had (the session's Spark JVM)
+
+
 def our_children() -> list:
+    """Live children started since the echo broker fixture began."""
     import psutil
-    return [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and (p.pid, p.create_time()) not in _ELDERS:
+                found.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 @pytest.fixture
 def echo_broker():
+    import psutil
+    _ELDERS.clear()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            _ELDERS.add((p.pid, p.create_time()))
+        except psutil.NoSuchProcess:
+            pass
     brokers = []
 
     def start(**kwargs) -> EchoBroker:
