@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import statistics
@@ -53,12 +54,17 @@ def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, secon
     for i in range(runs):
         run_dir = os.path.join(workdir, f"{name.split()[0]}-{len(os.listdir(workdir))}")
         cfg = replace(BrokerConfig(data_dir=run_dir, port=0, watchdog={"memory_limit": "0.6"}), **broker_opts)
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         summary, _ = execute(cfg, lambda port: LoadConfig(duration_s=seconds, port=port, **load_opts))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         lat = summary["latency_us"]
         rows.append({"deliver_rate": summary["deliver_rate"], "publish_rate": summary["publish_rate"],
                      "consumer_p50_us": lat["consumer"].get("p50", 0), "consumer_p99_us": lat["consumer"].get("p99", 0),
                      "confirm_p50_us": lat.get("confirm", {}).get("p50"), "confirm_p99_us": lat.get("confirm", {}).get("p99"),
-                     "lost": summary["lost"]})
+                     "lost": summary["lost"],
+                     # broker and load generator together (every process is reaped by the end of the run)
+                     "cpu_us_per_msg": 1e6 * cpu_s / summary["delivered"] if summary["delivered"] else None})
     out = {"scenario": name, "runs": runs, "seconds": seconds}
     for key in rows[0]:
         vals = [r[key] for r in rows if r[key] is not None]
@@ -69,15 +75,23 @@ def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, secon
 
 def measure_tracing_overhead(runs: int, seconds: int, workdir: str) -> dict:
     """Transient 100 B with telemetry on and off, runs alternating so drift in the machine's
-    load hits both alike; overhead = 1 - median(on) / median(off), on the deliver rate."""
+    load hits both alike. Two measures: the deliver rate (overhead = 1 - median on / median off),
+    which a shared machine makes noisy, and the CPU time every process of the run spent per
+    message delivered (overhead = median on / median off - 1), which contention disturbs less."""
     rates: dict[str, list[float]] = {"on": [], "off": []}
+    cpu: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(runs):
         for mode in ("on", "off"):
             r = run_scenario(f"tracing-{mode}", TRACING_LOAD, {"telemetry": mode == "on"}, 1, seconds, workdir)
             rates[mode].append(r["deliver_rate"]["median"])
+            cpu[mode].append(r["cpu_us_per_msg"]["median"])
     on, off = _median(rates["on"]), _median(rates["off"])
+    cpu_on, cpu_off = _median(cpu["on"]), _median(cpu["off"])
     return {"deliver_rate_on": rates["on"], "deliver_rate_off": rates["off"],
-            "median_on": on, "median_off": off, "overhead": 1 - on / off if off else None}
+            "median_on": on, "median_off": off, "overhead": 1 - on / off if off else None,
+            "cpu_us_per_msg_on": cpu["on"], "cpu_us_per_msg_off": cpu["off"],
+            "cpu_median_on": cpu_on, "cpu_median_off": cpu_off,
+            "cpu_overhead": cpu_on / cpu_off - 1 if cpu_off else None}
 
 
 # -- micro-benchmarks ---------------------------------------------------------------------------
@@ -251,6 +265,8 @@ def run_bench(args) -> int:
         print(f"{'telemetry on / off, 100 B (deliver)':<40} {t['median_on']:,.0f} / {t['median_off']:,.0f} msg/s: "
               f"overhead {100 * t['overhead']:.1f}% (runs on {', '.join(f'{v:,.0f}' for v in t['deliver_rate_on'])}; "
               f"off {', '.join(f'{v:,.0f}' for v in t['deliver_rate_off'])})", flush=True)
+        print(f"{'telemetry on / off, CPU per message':<40} {t['cpu_median_on']:.2f} / {t['cpu_median_off']:.2f} µs: "
+              f"overhead {100 * t['cpu_overhead']:.1f}%", flush=True)
     for name, name_batch in (("ring, batches of 64", 64), ("ring, one at a time", 1)):
         results["micro"][name] = micro_ring(name_batch)
         print(f"{name:<40} {results['micro'][name]:,.0f} records/s (write + read)")
