@@ -269,6 +269,7 @@ class Queue(Stage):
         self.page_sizes = (len(self.messages) - self.paged_messages, len(self.unacked) - self.paged_acks)
         if quota < PAGE_BATCH_MESSAGES:
             self.trim(now_ns)
+            self.dirty = True           # paged counts changed: the next statistics push says so
 
     def page_messages(self, quota: int) -> int:
         messages = self.messages

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import select
 import selectors
 import time
 
@@ -54,6 +55,7 @@ def give_back_heap() -> bool:
     malloc_trim(0)
     return True
 OVERFLOW_RETRY_MS = 5
+HAND_ON_LIMIT_NS = 30_000_000_000   # an exiting stage waits this long for receivers to take its overflow
 READ_BATCH_RECORDS = 256
 TURN_NS = 1_000_000          # a stage with a per-record delay still hands on its output every ~1 ms
 TURN_BUDGET_NS = 5_000_000   # at most this long reading in-links before the rest of a turn runs
@@ -452,7 +454,33 @@ class Stage:
         self.handled_since_trim = 0
         self.last_trim_ns = now_ns
 
+    def hand_on_overflow(self) -> None:
+        """Before exiting, pass on what waits in out-link overflow: records this stage has accepted
+        (with credit off a reader or channel can hold many thousands) are not dropped because its
+        connection or channel closed. Gives up on a receiver that frees no space for
+        ``HAND_ON_LIMIT_NS`` (and says how many records that lost); a receiver that dies is
+        detached by its peer_down token."""
+        deadline = time.monotonic_ns() + HAND_ON_LIMIT_NS
+        while True:
+            self.flush_links()
+            waiting = sum(len(link.overflow) for link in self.out_links.values())
+            if not waiting:
+                return
+            now = time.monotonic_ns()
+            if now >= deadline:
+                self.log_lines([f"{self.name}: exiting with {waiting} records its receivers never took"])
+                return
+            select.select([self.inbox.fileno()], [], [], OVERFLOW_RETRY_MS / 1000)   # a SPACE token, or retry
+            self.handle_tokens(time.monotonic_ns())
+
+    def log_lines(self, lines: list[str]) -> None:
+        try:
+            control.send_msg(self.ctl, {"type": "log", "level": "warning", "lines": lines})
+        except OSError:
+            pass
+
     def shutdown(self) -> None:
+        self.hand_on_overflow()
         try:
             self.push_stats(time.monotonic_ns())
         except Exception:

@@ -101,7 +101,9 @@ class Broker:
             except (KeyError, IndexError):
                 pass  # the process or link has not reported yet
             time.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:3000]}")
+        brief = {name: {k: v for k, v in st.items() if not isinstance(v, (dict, list))}
+                 for name, st in ((last or {}).get("processes") or {}).items()}
+        raise AssertionError(f"timed out waiting for {what}; processes: {json.dumps(brief)[:6000]}")
 
     def stop(self) -> int:
         kill_group(self.proc)

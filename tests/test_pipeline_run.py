@@ -91,3 +91,16 @@ def test_telemetry_on_records_snapshots_of_every_stage(tmp_path):
     tele = tmp_path / "run" / "telemetry"
     # every stage pushes at most every 100 ms while busy: several per stage over two seconds
     assert _rows(tele, "stats") >= 4 * 5 and _rows(tele, "states") >= 4 * 15
+
+
+def test_closing_with_credit_off_hands_on_every_accepted_message(tmp_path):
+    """With credit off a slow queue leaves thousands of publishes waiting in the channel's overflow
+    (its process memory) when the publisher closes: the channel must pass them all on before it
+    exits, as RabbitMQ's channel works through its mailbox."""
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "1000", "-r", "10000", "-z", "3",
+                       "--credit", "0,0", "--queue-delay-us", "200")
+    assert code == 0, out
+    assert s["published"] > 20000
+    # the ring (4096 records) stayed full: the rest waited in overflow
+    assert max(v["max_in_flight"] for k, v in s["links"].items() if k.startswith("channel") and "queue" in k) >= 4096
+    assert s["delivered"] == s["published"] and s["lost"] == 0
