@@ -142,7 +142,7 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
         "published": result.published, "confirmed": result.confirmed, "nacked": result.nacked,
         "returned": result.returned, "delivered": result.delivered, "lost": result.lost,
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
-        "latency_us": result.latency_us, "processes": processes, "links": links, "alarms": alarms,
+        "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
         "deaths": status.get("deaths", []), "wall_seconds": round(wall_s, 3), "config": config,
     }
 

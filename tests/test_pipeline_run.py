@@ -32,6 +32,14 @@ def test_five_second_run_loses_nothing_and_writes_the_summary(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith("time ")]
     assert len(lines) >= 4, out
     assert "sent:" in lines[0] and "received:" in lines[0] and "consumer latency" in lines[0]
+    # the whole run's latency histogram is kept, and every second's, in HdrHistogram's own encoding
+    from pipeline.loadgen import latency
+    whole = latency.decode(s["latency_histograms"]["consumer"])
+    assert whole.get_total_count() == s["delivered"]
+    assert latency.percentiles(whole) == s["latency_us"]["consumer"]
+    seconds = [json.loads(line) for line in (tmp_path / "run" / "seconds.jsonl").read_text().splitlines()]
+    per_second = [latency.decode(r["histograms"]["consumer"]).get_total_count() for r in seconds]
+    assert len(per_second) >= 4 and 0 < sum(per_second) <= s["delivered"]
 
 
 def test_slow_store_blocks_the_reader_and_in_flight_stays_within_credit(tmp_path):

@@ -65,6 +65,7 @@ class SecondReport:
     blocked: dict                 # publisher name -> blocked by connection.blocked during the second
     published: int                # cumulative
     delivered: int                # cumulative
+    histograms: dict | None = None  # the second's latency as HdrHistogram base64 text, per kind
 
 
 @dataclass(frozen=True)
@@ -186,12 +187,18 @@ class ReportBook:
                 ats.append(rec["at_ns"])
             self.used[w] = rec
         time_s = (sum(ats) / len(ats) - self.start_ns) / NS_PER_S if ats else float(k + 1)
+        consumer = latency.merge(hists["consumer"])
+        confirm = latency.merge(hists["confirm"]) if self.cfg.confirm else None
+        encoded = {"consumer": latency.encode(consumer)}
+        if confirm is not None:
+            encoded["confirm"] = latency.encode(confirm)
         return SecondReport(
             time_s=time_s, sent_rate=rates["sent"], confirmed_rate=rates["confirmed"],
             received_rate=rates["received"], nacked=counts["nacked"], returned=counts["returned"],
-            consumer=latency.percentiles(latency.merge(hists["consumer"])),
-            confirm=latency.percentiles(latency.merge(hists["confirm"])) if self.cfg.confirm else None,
-            blocked=blocked, published=self._sum("publisher", "sent"), delivered=self._sum("consumer", "received"))
+            consumer=latency.percentiles(consumer),
+            confirm=latency.percentiles(confirm) if confirm is not None else None,
+            blocked=blocked, published=self._sum("publisher", "sent"), delivered=self._sum("consumer", "received"),
+            histograms=encoded)
 
     def mark_window(self) -> None:
         """The producing window ends now: remember each worker's latest report for the average rates."""
