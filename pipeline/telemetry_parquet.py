@@ -22,7 +22,10 @@ Conversion rules, the same as the Spark JSON reader's with an explicit schema:
 
 * a line that is not a JSON object (a torn last line after a crash, a line
   glued to one) is skipped and counted (``skipped_lines``);
-* fields the schema does not name are dropped; missing ones are null;
+* fields the schema does not name go, as JSON text, into the ``extra`` column
+  (stats and events; for an event, the keys of ``data`` its struct does not
+  name too), so every statistic a stage reported is kept; missing fields are
+  null;
 * a value of the wrong type (a string where int64 is due) becomes null and is
   counted (``nulled_values``). Only a chunk that fails conversion as a whole
   is converted row by row, so clean telemetry pays nothing for this.
@@ -31,7 +34,7 @@ All timestamps and durations (``*_ns``) are int64 nanoseconds of the
 machine-wide monotonic clock, as in the JSON lines. The schemas below are the
 one definition of the tables: ``pipeline.analytics.load`` derives its Spark
 schemas from them. They name only what the report reads; a stage's other
-statistics stay in the JSONL until compaction and are not kept.
+statistics are kept in ``extra``.
 
 This module imports pyarrow, so only code that runs after the broker's stages
 (``Recorder.close``) or outside the broker (analytics, tests) imports it.
@@ -53,6 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 CHUNK_LINES = 20_000
+EXTRA = "extra"      # every field a row had beyond its schema's columns, as JSON text
 COMPRESSION = "zstd"
 TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
@@ -87,6 +91,11 @@ STATS_SCHEMA = pa.schema([
     ("disk_free", pa.int64()),
     ("disk_limit", pa.int64()),
     ("disk_alarm", pa.bool_()),
+    # state changes: which peers a credit block waits on, and the connection's state
+    ("blocked_by", pa.list_(pa.string())),
+    ("block_started_ns", pa.int64()),
+    ("conn_state", pa.string()),
+    (EXTRA, pa.string()),
 ])
 
 STATES_SCHEMA = pa.schema([
@@ -113,6 +122,7 @@ EVENTS_SCHEMA = pa.schema([
     ("event", pa.string()),
     ("name", pa.string()),
     ("data", EVENT_DATA_TYPE),
+    (EXTRA, pa.string()),
 ])
 
 TABLES: dict[str, pa.Schema] = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
@@ -147,6 +157,28 @@ def parse_lines(lines: list[bytes]) -> tuple[list[dict], int]:
         else:
             skipped += 1
     return rows, skipped
+
+
+def with_extra(rows: list[dict], schema: pa.Schema) -> list[dict]:
+    """``rows`` with what ``schema`` does not name folded into its ``extra`` column (if it has one)."""
+    if EXTRA not in schema.names:
+        return rows
+    names = set(schema.names)
+    structs = {f.name: {sub.name for sub in f.type} for f in schema if pa.types.is_struct(f.type)}
+    out = []
+    for row in rows:
+        rest = {k: v for k, v in row.items() if k not in names and k != "type"}
+        for name, known in structs.items():
+            value = row.get(name)
+            if isinstance(value, dict):
+                more = {k: v for k, v in value.items() if k not in known}
+                if more:
+                    rest[name] = more
+        if rest:
+            row = dict(row)
+            row[EXTRA] = json.dumps(rest, separators=(",", ":"), sort_keys=True, default=str)
+        out.append(row)
+    return out
 
 
 def to_table(rows: list[dict], schema: pa.Schema) -> tuple[pa.Table, int]:
@@ -230,7 +262,7 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
                         skipped += bad
                         if not parsed:
                             continue
-                        table, n_null = to_table(parsed, schema)
+                        table, n_null = to_table(with_extra(parsed, schema), schema)
                         nulled += n_null
                         writer.write_table(table)
                         jsonl_rows += table.num_rows
@@ -276,6 +308,6 @@ def compact(telemetry_dir: str, chunk_lines: int = CHUNK_LINES) -> dict[str, dic
     return results
 
 
-__all__ = ["CHUNK_LINES", "COMPRESSION", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE", "LINK_TYPE",
+__all__ = ["CHUNK_LINES", "COMPRESSION", "EXTRA", "with_extra", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE", "LINK_TYPE",
            "STATES_SCHEMA", "STATS_SCHEMA", "TABLES", "compact", "compact_file", "conform", "parse_lines",
            "to_table"]

@@ -118,8 +118,11 @@ def test_compact_converts_each_file_skips_a_torn_line_and_deletes_the_jsonl(tmp_
 
     stats = pq.read_table(tele / "stats.parquet")
     assert stats.schema.equals(tp.STATS_SCHEMA)
-    assert "unknown_field" not in stats.column_names and "conn_state" not in stats.column_names
+    assert "unknown_field" not in stats.column_names
     rows = stats.to_pylist()
+    assert rows[0]["conn_state"] == "flow"
+    assert json.loads(rows[0]["extra"]) == {"unknown_field": {"nested": [1, 2]}}   # kept, as JSON text
+    assert rows[1]["extra"] is None
     assert [r["at_ns"] for r in rows] == [T0_NS, T0_NS + 100_000_000, T0_NS + 200_000_000, T0_NS + 300_000_000]
     assert dict(rows[0]["links"]) == {"reader-1->channel-1.1": link(400, 0)}
     assert dict(rows[1]["links"])["queue-q->reader-2"]["credit"] is None
@@ -128,7 +131,8 @@ def test_compact_converts_each_file_skips_a_torn_line_and_deletes_the_jsonl(tmp_
     assert rows[3]["memory_used"] == 3 << 30 and rows[3]["disk_free"] == 9 << 40
 
     events = pq.read_table(tele / "events.parquet").to_pylist()
-    assert events[1]["data"] == {f.name: None for f in tp.EVENT_DATA_TYPE}   # "peer" is not in the schema
+    assert events[1]["data"] == {f.name: None for f in tp.EVENT_DATA_TYPE}   # "peer" is not in the struct
+    assert json.loads(events[1]["extra"])["data"]["peer"]                   # but is kept
     assert events[3]["data"]["used"] == 5 << 30 and events[3]["data"]["source"] == "memory"
     assert pq.read_table(tele / "states.parquet").to_pylist() == states_rows()
 

@@ -47,9 +47,16 @@ from pipeline import telemetry_parquet as tables
 
 # The telemetry tables are defined once, in Arrow, next to the compaction that writes them.
 LINK_SCHEMA: StructType = from_arrow_type(tables.LINK_TYPE)
-STATS_SCHEMA: StructType = from_arrow_schema(tables.STATS_SCHEMA)
-STATES_SCHEMA: StructType = from_arrow_schema(tables.STATES_SCHEMA)
-EVENTS_SCHEMA: StructType = from_arrow_schema(tables.EVENTS_SCHEMA)
+
+
+def _report_columns(schema):
+    """The table's columns the report reads: all but ``extra`` (a JSON line keeps it inline)."""
+    return schema.remove(schema.get_field_index(tables.EXTRA)) if tables.EXTRA in schema.names else schema
+
+
+STATS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATS_SCHEMA))
+STATES_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATES_SCHEMA))
+EVENTS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.EVENTS_SCHEMA))
 TELEMETRY_SCHEMAS = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
 _CORRUPT = "_corrupt_record"
 
