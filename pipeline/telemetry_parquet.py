@@ -55,6 +55,8 @@ from typing import BinaryIO, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipeline.storage.segments import fsync_directory
+
 CHUNK_LINES = 20_000
 EXTRA = "extra"      # every field a row had beyond its schema's columns, as JSON text
 COMPRESSION = "zstd"
@@ -228,14 +230,6 @@ def _line_chunks(f: BinaryIO, chunk_lines: int) -> Iterator[list[bytes]]:
         yield chunk
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
                  chunk_lines: int = CHUNK_LINES) -> dict:
     """Convert one JSONL file into ``parquet_path`` (appending to an existing one), then delete the JSONL.
@@ -277,7 +271,7 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
         except OSError:
             pass
         raise
-    _fsync_dir(directory or ".")
+    fsync_directory(directory or ".")
     os.unlink(jsonl_path)
     return {"rows": rows + jsonl_rows, "jsonl_rows": jsonl_rows, "skipped_lines": skipped,
             "nulled_values": nulled, "jsonl_bytes": jsonl_bytes, "parquet_bytes": os.path.getsize(parquet_path)}

@@ -17,14 +17,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 pyspark = pytest.importorskip("pyspark")
+
+from conftest import creditflow_cmd, kill_group  # noqa: E402
 
 from pipeline.analytics import diagnosis as rules  # noqa: E402
 from pipeline.analytics.report import build_report  # noqa: E402
@@ -328,12 +328,6 @@ def test_two_runs_side_by_side(spark, tmp_path):
 
 # -- a real run ------------------------------------------------------------------------------------------
 
-def _creditflow() -> list[str]:
-    exe = Path(sys.executable).with_name("creditflow")
-    return [str(exe)] if exe.exists() else [sys.executable, "-c", "import sys; from pipeline.cli import main; "
-                                                                 "sys.exit(main())"]
-
-
 def _shm_of(run_dir: Path, pid: int) -> list[str]:
     """/dev/shm entries of the broker that ran in ``run_dir`` (its run id names them) or of ``pid``."""
     prefixes = [f"creditflow-{pid}x"]
@@ -352,21 +346,11 @@ def real_run(tmp_path):
     """A three-second ``creditflow run``, its process group killed however the test ends."""
     run_dir = tmp_path / "real"
     log = open(tmp_path / "run.out", "w")
-    proc = subprocess.Popen([*_creditflow(), "run", "-x", "1", "-y", "1", "-s", "100", "-z", "3",
-                             "--run-dir", str(run_dir), "--plain"], stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True, cwd=ROOT)
+    proc = subprocess.Popen(creditflow_cmd("run", "-x", "1", "-y", "1", "-s", "100", "-z", "3",
+                                           "--run-dir", str(run_dir), "--plain"),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
     yield proc, run_dir, tmp_path / "run.out"
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait(5)
+    kill_group(proc)
     log.close()
     leaked = _shm_of(run_dir, proc.pid)
     assert not leaked, f"the run left shared memory behind: {leaked}"
