@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,33 @@ def _owner_alive(name: str) -> bool:
     except PermissionError:
         return True
     return True
+
+@pytest.fixture
+def children():
+    """Forked child pids; any still running at teardown is killed and reaped."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+
+
+def fork(body) -> int:
+    """Run ``body()`` in a child that always leaves through ``os._exit`` (its return value, or 70)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 70
+        try:
+            code = body()
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    return pid
+
 
 def run_creditflow(run_dir: Path, *args: str, timeout_s: float = 90) -> tuple[int, str, dict]:
     """``creditflow run`` into ``run_dir``, its process group killed however it ends:

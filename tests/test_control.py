@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import array
 import os
-import signal
 import socket
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from ipc import control, tokens
 from ipc.doorbell import Doorbell
 from ipc.errors import ClosedByUs, CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind, Token, TokenReader
+from conftest import fork
 
 
 @pytest.fixture
@@ -36,19 +35,6 @@ def fds():
         try:
             os.close(fd)
         except OSError:
-            pass
-
-
-@pytest.fixture
-def children():
-    """Forked child pids; any still running at teardown is killed and reaped."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
             pass
 
 
@@ -83,15 +69,7 @@ def test_a_running_stage_is_handed_a_new_peers_inbox_and_doorbell(pair, fds, chi
         control.send_msg(stage, {"type": "attached", "link": msg["link"]})
         return 0
 
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            code = running_stage()
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
+    pid = fork(running_stage)
     children.append(pid)
     # the peer's endpoints are made after the stage was forked: it can only get them by message
     inbox_r, inbox_w = os.pipe()

@@ -7,10 +7,8 @@ they are in two stages; a third one plays the supervisor reading statistics.
 from __future__ import annotations
 
 import os
-import signal
 import struct
 import time
-import traceback
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -19,6 +17,7 @@ from ipc import shm
 from ipc.doorbell import Doorbell
 from ipc.errors import CorruptRecord, IpcError, WouldBlock
 from ipc.ring import HEADER_BYTES, RecordTooLarge, Ring, record_bytes
+from conftest import fork
 
 
 def make_ring(capacity_bytes: int) -> tuple[Ring, Ring]:
@@ -306,33 +305,6 @@ def owner():
     yield segment_owner
     segment_owner.unlink_all()
     assert not shm.leftover_names(run_id=segment_owner.run_id)
-
-
-@pytest.fixture
-def children():
-    """Forked child pids; any still running at teardown is killed and reaped."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-
-
-def fork(body) -> int:
-    """Run ``body()`` in a child that always leaves through ``os._exit`` (its return value, or 70)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            code = body()
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
 
 
 def wait_exit_code(pid: int, children: list[int]) -> int:

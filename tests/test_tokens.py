@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import select
-import signal
 import struct
 import time
-import traceback
 
 import pytest
 from hypothesis import given, strategies as st
@@ -16,6 +14,7 @@ from ipc import tokens
 from ipc.doorbell import Doorbell, DoorbellStatistics
 from ipc.errors import ClosedByUs, CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import TOKEN_BYTES, Kind, Token, TokenReader, TokenWriter
+from conftest import fork
 
 
 @pytest.fixture
@@ -28,33 +27,6 @@ def pipe():
             os.close(fd)
         except OSError:
             pass
-
-
-@pytest.fixture
-def children():
-    """Forked child pids; any still running at teardown is killed and reaped."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
-
-
-def fork(body) -> int:
-    """Run ``body()`` in a child that always leaves through ``os._exit`` (its return value, or 70)."""
-    pid = os.fork()
-    if pid == 0:
-        code = 70
-        try:
-            code = body()
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            os._exit(code)
-    return pid
 
 
 def reap(pids: list[int]) -> list[int]:
