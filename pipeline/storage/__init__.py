@@ -5,8 +5,6 @@
 - ``segments``: the shared store's numbered ``N.rdq`` files: buffered
   appends, the timed fsync policy, roll-over, refcounts, compaction and
   recovery. The store process drives it.
-- ``queue_index``: a durable queue's own ``N.qi`` journal of publishes
-  (small messages embedded), deliveries and acks.
 - ``errors``: what can go wrong, and who caused it.
 
 The fsync policy's constants (RabbitMQ's defaults)::
@@ -14,21 +12,16 @@ The fsync policy's constants (RabbitMQ's defaults)::
     SYNC_INTERVAL_MS = 200                      group commit at least this often while writes are pending
     FILE_SIZE_LIMIT_BYTES = 16 * 1024 * 1024    a segment file rolls over once it reaches this
     LARGE_MESSAGE_BYTES = 4_000_000             a message this big gets a file of its own
-    QUEUE_INDEX_EMBED_MSGS_BELOW = 4096         smaller messages live in the queue index
 """
 
-from pipeline.storage.errors import (CorruptSegment, SequenceNotIncreasing, StorageError, StoreClosed,
-                                     TornRecord, UnknownMessage, UnknownSequence)
-from pipeline.storage.queue_index import (QUEUE_INDEX_EMBED_MSGS_BELOW, IndexEntry, IndexSyncResult, QueueIndex,
-                                          QueueIndexStatistics, embeds)
+from pipeline.storage.errors import CorruptSegment, StorageError, StoreClosed, TornRecord, UnknownMessage
 from pipeline.storage.record import ScanRecord, ScanResult, decode_record, encode_record, scan
 from pipeline.storage.segments import (FILE_SIZE_LIMIT_BYTES, LARGE_MESSAGE_BYTES, SYNC_INTERVAL_MS, Location,
                                        SegmentStatistics, SegmentStore, SyncResult)
 
 __all__ = [
-    "CorruptSegment", "SequenceNotIncreasing", "StorageError", "StoreClosed", "TornRecord", "UnknownMessage",
-    "UnknownSequence", "QUEUE_INDEX_EMBED_MSGS_BELOW", "IndexEntry", "IndexSyncResult", "QueueIndex",
-    "QueueIndexStatistics", "embeds", "ScanRecord", "ScanResult", "decode_record", "encode_record", "scan",
+    "CorruptSegment", "StorageError", "StoreClosed", "TornRecord", "UnknownMessage",
+    "ScanRecord", "ScanResult", "decode_record", "encode_record", "scan",
     "FILE_SIZE_LIMIT_BYTES", "LARGE_MESSAGE_BYTES", "SYNC_INTERVAL_MS", "Location", "SegmentStatistics",
     "SegmentStore", "SyncResult",
 ]

@@ -23,13 +23,5 @@ class UnknownMessage(StorageError, KeyError):
     """Raised when a message id is read or referenced that the segment store does not hold."""
 
 
-class UnknownSequence(StorageError, KeyError):
-    """Raised when a queue index is told to deliver or ack a sequence id it holds no live publish for."""
-
-
-class SequenceNotIncreasing(StorageError):
-    """Raised when a queue index publish reuses a sequence id or goes back below the last one."""
-
-
 class StoreClosed(StorageError):
-    """Raised when a segment store or queue index this process already closed is used again."""
+    """Raised when a segment store this process already closed is used again."""

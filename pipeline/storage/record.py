@@ -1,7 +1,7 @@
 """Store records (pure): what one stored message looks like on disk.
 
-Both the shared message store's segment files (``N.rdq``) and the queue
-indexes' files (``N.qi``) are plain sequences of these records, appended and
+Both the shared message store's segment files (``N.rdq``) and the queues'
+journals (``N.jnl``) are plain sequences of these records, appended and
 never rewritten in place. Layout, little-endian::
 
     offset  size  field
