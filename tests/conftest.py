@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -175,6 +176,24 @@ def fork(body) -> int:
         finally:
             os._exit(code)
     return pid
+
+
+def raw_amqp_connection(port: int) -> socket.socket:
+    """A socket past AMQP's handshake as a client without capabilities (open-ok read), for tests
+    that write frames by hand."""
+    from pamqp import commands, frame
+    from pipeline.amqp import frames
+    s = socket.create_connection(("127.0.0.1", port))
+    s.settimeout(5)
+    s.sendall(frames.PROTOCOL_HEADER)
+    s.recv(65536)
+    s.sendall(frame.marshal(commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
+                                                        response="\0guest\0guest"), 0))
+    s.recv(65536)
+    s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0)
+              + frame.marshal(commands.Connection.Open(), 0))
+    s.recv(65536)
+    return s
 
 
 def run_creditflow(run_dir: Path, *args: str, timeout_s: float = 90) -> tuple[int, str, dict]:

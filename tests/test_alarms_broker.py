@@ -12,6 +12,8 @@ from pamqp import commands, frame
 from pipeline.amqp import frames
 from pipeline.ctlclient import CtlClient
 
+from conftest import raw_amqp_connection
+
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
@@ -131,15 +133,8 @@ def test_repeated_sets_and_clears_produce_nothing_new(broker):
 
 
 def test_a_client_without_the_capability_is_paused_with_no_frame_sent(broker):
-    s = socket.create_connection(("127.0.0.1", broker.port))
-    s.settimeout(5)
-    s.sendall(frames.PROTOCOL_HEADER)
-    s.recv(65536)
-    s.sendall(frame.marshal(commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
-                                                        response="\0guest\0guest"), 0))
-    s.recv(65536)
-    s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0)
-              + frame.marshal(commands.Connection.Open(), 0) + frame.marshal(commands.Channel.Open(), 1))
+    s = raw_amqp_connection(broker.port)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1))
     time.sleep(0.3)
     s.recv(65536)
     s.sendall(frame.marshal(commands.Queue.Declare(queue="d"), 1))

@@ -9,6 +9,8 @@ import time
 import pika
 import pytest
 
+from conftest import raw_amqp_connection
+
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
@@ -133,18 +135,8 @@ def test_a_connection_over_the_limit_is_refused_with_530(start_broker):
 
 def test_a_channel_over_channel_max_is_refused_with_530(start_broker):
     from pamqp import commands, frame
-    from pipeline.amqp import frames
     broker = start_broker("--channel-max", "2")
-    with socket.create_connection(("127.0.0.1", broker.port)) as s:
-        s.settimeout(5)
-        s.sendall(frames.PROTOCOL_HEADER)
-        s.recv(65536)
-        s.sendall(frame.marshal(commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
-                                                            response="\0guest\0guest"), 0))
-        s.recv(65536)
-        s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0)
-                  + frame.marshal(commands.Connection.Open(), 0))
-        s.recv(65536)
+    with raw_amqp_connection(broker.port) as s:
         s.sendall(frame.marshal(commands.Channel.Open(), 5))
         data = read_close(s)
     assert data[7:11] == b"\x00\x0a\x00\x32" and struct.unpack(">H", data[11:13])[0] == 530
