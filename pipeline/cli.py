@@ -48,6 +48,16 @@ def nonneg_int(text: str) -> int:
     return value
 
 
+def nonneg_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, got {text}")
+    return value
+
+
 def pos_int(text: str) -> int:
     value = nonneg_int(text)
     if value == 0:
@@ -149,7 +159,9 @@ def build_parser() -> Parser:
     run.add_argument("-c", "--confirm", type=pos_int, default=None, help="max unconfirmed publishes per producer")
     run.add_argument("-q", "--qos", type=nonneg_int, default=0, help="consumer prefetch (0 = unlimited)")
     run.add_argument("-a", "--autoack", action="store_true", help="consumers use no-ack")
-    run.add_argument("-z", "--time", type=pos_int, default=10, help="seconds to run")
+    run.add_argument("-z", "--time", type=pos_int, default=10, help="seconds to publish")
+    run.add_argument("--drain-s", type=nonneg_seconds, default=30.0,
+                     help="after -z, at most this many seconds for consumers to empty the queues (default 30)")
     run.add_argument("-u", "--queue", default="creditflow-perf", help="queue name")
     run.add_argument("-L", "--consumer-latency", type=nonneg_int, default=0, help="µs each consumer spends per message")
     run.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>)")
@@ -321,8 +333,17 @@ def cmd_demo(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from pipeline.runner import run_harness
-    return run_harness(args)
+    from pipeline.loadgen.config import InvalidLoadConfig
+    from pipeline.runner import load_config, run_harness
+    try:
+        load = load_config(args)
+    except InvalidLoadConfig as exc:
+        raise UsageError(f"creditflow run: {exc}") from None
+    if load.producers and load.body_bytes > args.max_message_bytes:
+        raise UsageError(f"creditflow run: messages of {load.body_bytes} bytes (-s) are over the broker's "
+                         f"--max-message-bytes {args.max_message_bytes}, which would refuse every one (406); "
+                         f"raise --max-message-bytes or lower -s")
+    return run_harness(args, load)
 
 
 if __name__ == "__main__":

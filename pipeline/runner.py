@@ -4,7 +4,13 @@ The broker runs as a child process (the supervisor and its stages); the load
 generator's publishers and consumers are separate processes that speak AMQP
 to it over loopback. Every second the runner prints PerfTest's line plus the
 state of every broker process (a rich live view on a terminal, plain lines
-otherwise), and at the end writes ``RUN_DIR/summary.json``.
+otherwise); after -z, a line a second while the consumers drain the queues
+(the drain asks the broker for its queues' depths, ``broker_view``); at the
+end it writes ``RUN_DIR/summary.json`` and prints where every message went
+(delivered, undelivered, lost, rejected: ``loadgen.accounting``).
+
+The load is checked before any process starts: a bad option is a
+``InvalidLoadConfig`` raised by ``execute`` with nothing started.
 """
 
 from __future__ import annotations
@@ -15,11 +21,15 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 
-from pipeline.ctlclient import CtlClient, wait_for_broker
+from pipeline.ctlclient import BrokerNotRunning, CtlClient, wait_for_broker
+from pipeline.loadgen.accounting import BrokerView, QueueDepth
+from pipeline.loadgen.config import LoadConfig
 from pipeline.supervisor import BrokerConfig, run_broker
 
 EXIT_LOST = 5
+PLACEHOLDER_PORT = 5672          # a LoadConfig is checked with it before the broker has a port
 STATE_ORDER = ("reader", "channel", "queue", "store")
 
 
@@ -118,6 +128,22 @@ class SecondsLog:
         self.f.close()
 
 
+def broker_view(status: dict) -> BrokerView:
+    """The queues' depths and counters in a ``ctl status`` answer."""
+    queues = {}
+    for p in status.get("processes", {}).values():
+        if p.get("kind") == "queue" and p.get("alive") and p.get("queue") is not None:
+            queues[p["queue"]] = QueueDepth(messages=p.get("messages", 0), unacked=p.get("unacked", 0),
+                                            enqueued=p.get("enqueued", 0), delivered=p.get("delivered", 0))
+    return BrokerView(queues)
+
+
+def drain_summary(drain) -> dict:
+    return {"end": drain.why, "seconds": drain.seconds,
+            "queues": None if drain.queues is None else
+            {q: {"messages": d.messages, "unacked": d.unacked} for q, d in drain.queues.items()}}
+
+
 def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
@@ -140,32 +166,37 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
               for src, a in status.get("alarms", {}).items()]
     return {
         "published": result.published, "confirmed": result.confirmed, "nacked": result.nacked,
-        "returned": result.returned, "delivered": result.delivered, "lost": result.lost,
+        "returned": result.returned, "delivered": result.delivered, "undelivered": result.undelivered,
+        "lost": result.lost, "rejected": result.rejected, "rejections": result.rejections,
+        "drain": drain_summary(result.drain), "errors": list(result.errors),
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
         "deaths": status.get("deaths", []), "wall_seconds": round(wall_s, 3), "config": config,
     }
 
 
-def load_config(args, port: int):
-    from pipeline.loadgen.config import LoadConfig
+def load_config(args) -> LoadConfig:
+    """``creditflow run``'s options as a LoadConfig (raises InvalidLoadConfig); the port comes later."""
     return LoadConfig(producers=args.producers, consumers=args.consumers, rate=args.rate, size=args.size,
-                      persistent="persistent" in args.flag, confirm=args.confirm, prefetch=args.qos,
-                      autoack=args.autoack, duration_s=args.time, consumer_latency_us=args.consumer_latency,
-                      queue=args.queue, host="127.0.0.1", port=port)
+                      persistent="persistent" in args.flag, mandatory="mandatory" in args.flag,
+                      confirm=args.confirm, prefetch=args.qos, autoack=args.autoack, duration_s=args.time,
+                      consumer_latency_us=args.consumer_latency, queue=args.queue, drain_s=args.drain_s,
+                      host="127.0.0.1", port=PLACEHOLDER_PORT)
 
 
-def execute(cfg: BrokerConfig, make_load, *, on_second=None, on_log=None, extra: dict | None = None):
+def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=None, extra: dict | None = None):
     """Start a broker on ``cfg.data_dir``, run load against it, stop it, and leave the run directory.
 
-    ``make_load(port)`` builds the LoadConfig once the broker listens.
-    ``on_second(rep, status, ctl)`` is called every second (return True to stop
-    early); ``on_log(line)`` gets the broker's warning and error lines as they
-    appear. Writes config.json, seconds.jsonl and summary.json; returns
-    ``(summary, result)``.
+    ``load`` is the LoadConfig (its port becomes the broker's), or ``make_load(port)`` building
+    it; either is checked before anything starts (InvalidLoadConfig). ``on_second(rep, status,
+    ctl)`` is called every second (return True to stop early); ``on_drain(line)`` gets a line a
+    second of the drain; ``on_log(line)`` gets the broker's warning and error lines as they
+    appear. Writes config.json, seconds.jsonl and summary.json; returns ``(summary, result)``.
     """
     from pipeline.loadgen.harness import run_load
 
+    make_load = load if callable(load) else (lambda port: replace(load, port=port))
+    make_load(PLACEHOLDER_PORT)
     run_dir = cfg.data_dir
     os.makedirs(run_dir, exist_ok=True)
     started = time.monotonic()
@@ -189,7 +220,17 @@ def execute(cfg: BrokerConfig, make_load, *, on_second=None, on_log=None, extra:
                         on_log(line)
                 return on_second(rep, status, ctl) if on_second is not None else None
 
-            result = run_load(load, on_second=each_second)
+            def view():
+                try:
+                    return broker_view(ctl.request("status"))
+                except (BrokerNotRunning, OSError, ValueError):
+                    return None
+
+            def each_drain_second(elapsed_s, delivered, expected, depths):
+                if on_drain is not None:
+                    on_drain(drain_line(elapsed_s, delivered, expected, depths))
+
+            result = run_load(load, on_second=each_second, broker=view, on_drain=each_drain_second)
             final = ctl.request("status")
         seconds.close()
         for line in tail.new_lines():
@@ -204,20 +245,54 @@ def execute(cfg: BrokerConfig, make_load, *, on_second=None, on_log=None, extra:
     return summary, result
 
 
-def run_harness(args) -> int:
+def depths_text(queues: dict | None) -> str:
+    if queues is None:
+        return "queue depths unknown"
+    return ", ".join(f"{q} {d.messages} ready, {d.unacked} unacked" for q, d in sorted(queues.items())) \
+        or "no queue reported"
+
+
+def drain_line(elapsed_s: float, delivered: int, expected: int, view: BrokerView | None) -> str:
+    return (f"draining {elapsed_s:.0f} s: delivered {delivered} of {expected}; "
+            + depths_text(view.queues if view is not None else None))
+
+
+def outcome_lines(summary: dict) -> list[str]:
+    """What ``creditflow run`` prints at the end; the last line counts every message."""
+    lines = []
+    drain = summary["drain"]
+    if drain["seconds"] or drain["end"] != "delivered":
+        queues = drain["queues"]
+        depths = ("queue depths unknown" if queues is None else
+                  ", ".join(f"{q} {d['messages']} ready, {d['unacked']} unacked" for q, d in sorted(queues.items()))
+                  or "no queue reported")
+        lines.append(f"drain: ended after {drain['seconds']:.1f} s ({drain['end']}); {depths}")
+    for reason, n in sorted(summary["rejections"].items()):
+        lines.append(f"rejected {n}: {reason}")
+    for error in summary["errors"]:
+        lines.append(f"error: {error}")
+    lines.append(f"published {summary['published']}, delivered {summary['delivered']}, "
+                 f"undelivered {summary['undelivered']}, lost {summary['lost']}, rejected {summary['rejected']}; "
+                 f"publish {summary['publish_rate']:.0f} msg/s, deliver {summary['deliver_rate']:.0f} msg/s")
+    return lines
+
+
+def run_harness(args, load: LoadConfig | None = None) -> int:
+    """``creditflow run``: ``load`` already checked by the CLI (built from ``args`` if None)."""
     from pipeline.cli import broker_config
     from pipeline.loadgen.report import format_line
     from pipeline.view import View
 
+    load = load if load is not None else load_config(args)
     run_dir = os.path.abspath(args.run_dir or default_run_dir())
     cfg = broker_config(args, run_dir, args.port)
     view = View(plain=args.plain)
     with view:
-        summary, _ = execute(cfg, lambda port: load_config(args, port),
+        summary, _ = execute(cfg, load,
                              on_second=lambda rep, status, ctl: view.second(format_line(rep), states_line(status),
                                                                             status),
-                             on_log=view.log)
-    print(f"published {summary['published']}, delivered {summary['delivered']}, lost {summary['lost']}; "
-          f"publish {summary['publish_rate']:.0f} msg/s, deliver {summary['deliver_rate']:.0f} msg/s")
+                             on_drain=view.log, on_log=view.log)
     print(f"run directory: {run_dir}")
+    for line in outcome_lines(summary):
+        print(line)
     return EXIT_LOST if summary["lost"] else 0

@@ -11,6 +11,7 @@ def test_defaults_are_perftests():
     cfg = LoadConfig()
     assert (cfg.producers, cfg.consumers, cfg.rate, cfg.size, cfg.prefetch) == (1, 1, None, 12, 0)
     assert (cfg.persistent, cfg.autoack, cfg.confirm, cfg.consumer_latency_us) == (False, False, None, 0)
+    assert cfg.drain_s == 30.0 and LoadConfig(drain_s=0).drain_s == 0
     assert cfg.queue == "creditflow-perf" and cfg.queues == ("creditflow-perf",)
     assert cfg.durable is True and not cfg.fanout
 
@@ -43,9 +44,12 @@ def test_the_config_is_frozen():
     ({"rate": -5}, r"rate \(-r\) must be a positive number"),
     ({"size": -1}, r"size \(-s\) must be between 0 and"),
     ({"confirm": 0}, r"max unconfirmed \(-c\) must be at least 1, got 0"),
-    ({"prefetch": 70000}, r"prefetch \(-q\) must be between 0 and 65535"),
+    ({"prefetch": 70000}, r"prefetch \(-q\) must be between 0 and 65535 \(basic.qos prefetch_count is 16 bits\)"),
     ({"consumer_latency_us": -3}, r"consumer latency \(-L\)"),
-    ({"duration_s": 0}, "duration_s must be a positive number of seconds"),
+    ({"duration_s": 0}, r"duration \(-z\) must be a positive number of seconds"),
+    ({"drain_s": -1}, r"drain time \(--drain-s\) must be 0 or more seconds, got -1"),
+    ({"drain_s": float("nan")}, r"drain time \(--drain-s\) must be 0 or more seconds"),
+    ({"size": 200_000_000}, r"size \(-s\) must be between 0 and 134217728 bytes"),
     ({"queue": ""}, r"queue \(-u\) must be a name of 1 to 255 bytes"),
     ({"queue": "q" * 256}, r"queue \(-u\) must be a name of 1 to 255 bytes"),
     ({"queues": "ab"}, "queues must be a list of names"),

@@ -19,8 +19,9 @@ from pamqp import commands
 
 from pipeline.amqp import frames
 from pipeline.loadgen import latency
+from pipeline.loadgen.accounting import DRAIN_DELIVERED, DRAIN_EMPTY, DRAIN_TIME, DrainEnd, QueueDepth
 from pipeline.loadgen.config import LoadConfig
-from pipeline.loadgen.harness import ReportBook, WorkerFailed, run_load
+from pipeline.loadgen.harness import LoadResult, ReportBook, WorkerFailed, run_load
 
 S = 1_000_000_000
 
@@ -32,16 +33,20 @@ def hist_text(*values: int) -> str:
     return latency.encode(rec.take())
 
 
-def pub(worker, k, at_ns, sent, confirmed=0, nacked=0, returned=0, blocked=False, hist="", events=(), event="second"):
+def pub(worker, k, at_ns, sent, confirmed=0, nacked=0, returned=0, blocked=False, hist="", events=(), event="second",
+        settled=0, connection=None, refusal=""):
+    connection = connection or ("closed" if event == "final" else "open")
     return {"event": event, "worker": worker, "k": k, "at_ns": at_ns, "cpu_s": 0.5,
             "stats": {"sent": sent, "confirmed": confirmed, "nacked": nacked, "returned": returned,
-                      "unconfirmed": 0, "blocked": blocked, "blocked_count": 0, "blocked_ns": 0},
+                      "unconfirmed": 0, "settled_through": settled, "blocked": blocked, "blocked_count": 0,
+                      "blocked_ns": 0, "connection": connection, "refusal": refusal},
             "hist": {"confirm": hist} if hist else {}, "blocked_events": [list(e) for e in events]}
 
 
-def con(worker, k, at_ns, received, hist="", stale=0, gaps=0, event="second"):
+def con(worker, k, at_ns, received, hist="", stale=0, gaps=0, event="second", highest=None):
     return {"event": event, "worker": worker, "k": k, "at_ns": at_ns, "cpu_s": 0.25,
-            "stats": {"received": received, "stale": stale, "gaps": gaps, "duplicates": 0, "acked_tag": received},
+            "stats": {"received": received, "stale": stale, "gaps": gaps, "duplicates": 0, "acked_tag": received,
+                      "highest": {str(p): seq for p, seq in (highest or {}).items()}},
             "hist": {"consumer": hist}}
 
 
@@ -82,18 +87,21 @@ def test_without_confirms_there_is_no_confirm_latency():
     assert b.second(0).confirm is None
 
 
-def test_the_result_counts_loss_net_of_nacks_and_returns():
+def test_the_result_counts_rates_over_the_window_and_nacks_and_returns_as_rejected():
     b = book(producers=2, confirm=10)
-    b.add(pub("publisher-0", 9, 20 * S, sent=1000, confirmed=990, nacked=10))
-    b.add(pub("publisher-1", 9, 20 * S, sent=2000, confirmed=2000, returned=5))
+    b.add(pub("publisher-0", 9, 20 * S, sent=1000, confirmed=990, nacked=10, settled=1000))
+    b.add(pub("publisher-1", 9, 20 * S, sent=2000, confirmed=2000, returned=5, settled=2000))
     b.add(con("consumer-0", 9, 20 * S, received=2000))
     b.mark_window()
-    b.add(pub("publisher-0", 10, 21 * S, sent=1000, confirmed=990, nacked=10, event="final"))
-    b.add(pub("publisher-1", 10, 21 * S, sent=2000, confirmed=2000, returned=5, event="final"))
-    b.add(con("consumer-0", 12, 23 * S, received=2980, stale=7, hist=hist_text(1000), event="final"))
-    r = b.result([])
-    assert (r.published, r.confirmed, r.nacked, r.returned, r.delivered) == (3000, 2990, 10, 5, 2980)
-    assert r.lost == 3000 - 10 - 5 - 2980
+    b.add(pub("publisher-0", 10, 21 * S, sent=1000, confirmed=990, nacked=10, settled=1000, event="final"))
+    b.add(pub("publisher-1", 10, 21 * S, sent=2000, confirmed=2000, returned=5, settled=2000, event="final"))
+    b.add(con("consumer-0", 12, 23 * S, received=2985, stale=7, hist=hist_text(1000), event="final",
+              highest={0: 1000, 1: 2000}))
+    r = b.result([], DrainEnd(DRAIN_DELIVERED, 1.5, {}))
+    assert (r.published, r.confirmed, r.nacked, r.returned, r.delivered) == (3000, 2990, 10, 5, 2985)
+    assert (r.lost, r.undelivered, r.rejected) == (0, 0, 15)
+    assert r.rejections == {"nacked": 10, "returned unroutable": 5}
+    assert r.drain.why == "delivered"
     assert r.stale == 7
     assert r.publish_rate == pytest.approx(300.0)               # over the 10 s window, not the drain
     assert r.deliver_rate == pytest.approx(200.0)
@@ -104,13 +112,100 @@ def test_the_result_counts_loss_net_of_nacks_and_returns():
     assert r.errors == ()
 
 
+def drained(the_book: ReportBook, why: str, **held) -> LoadResult:
+    """The result of a drain that ended for ``why`` with queues holding ``held`` (name -> (ready, unacked))."""
+    queues = {q: QueueDepth(*depth) for q, depth in held.items()}
+    return the_book.result([], DrainEnd(why, 30.0, queues if held else None))
+
+
+def one_queue(publishers=1) -> ReportBook:
+    return ReportBook(LoadConfig(producers=publishers, queue="q"), 0,
+                      ["consumer-0"] + [f"publisher-{i}" for i in range(publishers)])
+
+
+def test_a_bottleneck_still_draining_when_time_runs_out_is_undelivered_not_lost():
+    b = one_queue()
+    b.add(pub("publisher-0", 5, 6 * S, sent=112_384, event="final", connection="open"))   # close never answered
+    b.add(con("consumer-0", 40, 41 * S, received=98_624, event="final", highest={0: 98_624}))
+    r = drained(b, DRAIN_TIME, q=(0, 0))
+    assert (r.delivered, r.undelivered, r.lost, r.rejected) == (98_624, 112_384 - 98_624, 0, 0)
+    assert r.drain.queues == {"q": QueueDepth(0, 0)}
+
+
+def test_copies_still_in_the_queue_when_time_runs_out_are_undelivered():
+    b = one_queue()
+    b.add(pub("publisher-0", 5, 6 * S, sent=1000, event="final"))                        # closed: all read
+    b.add(con("consumer-0", 9, 10 * S, received=700, event="final", highest={0: 1000}))  # two consumers' worth
+    r = drained(b, DRAIN_TIME, q=(250, 50))
+    assert (r.undelivered, r.lost) == (300, 0)
+
+
+def test_a_gap_behind_the_last_delivery_with_nothing_queued_is_lost_even_when_time_ran_out():
+    b = one_queue()
+    b.add(pub("publisher-0", 5, 6 * S, sent=1000, event="final", connection="open"))
+    b.add(con("consumer-0", 9, 10 * S, received=990, gaps=10, event="final", highest={0: 995}))
+    r = drained(b, DRAIN_TIME, q=(0, 0))
+    assert (r.undelivered, r.lost) == (5, 5)       # 996..1000 may still be on their way; 10 behind 995 are gone
+
+
+def test_with_the_broker_empty_and_every_connection_closed_what_is_missing_is_lost():
+    b = one_queue(publishers=2)
+    b.add(pub("publisher-0", 5, 6 * S, sent=1000, event="final"))
+    b.add(pub("publisher-1", 5, 6 * S, sent=1000, event="final"))
+    b.add(con("consumer-0", 9, 10 * S, received=1990, event="final", highest={0: 990, 1: 1000}))
+    assert (b.expected_deliveries(), b.publishers_ended(), b.refused()) == (2000, True, False)
+    r = drained(b, DRAIN_EMPTY, q=(0, 0))
+    assert (r.undelivered, r.lost) == (0, 10)
+    # a publisher that died without its final report proves nothing: its tail may be in a socket
+    b = one_queue(publishers=2)
+    b.add(pub("publisher-0", 5, 6 * S, sent=1000, event="final"))
+    b.add(pub("publisher-1", 4, 5 * S, sent=1000))
+    b.ended("publisher-1", "died without a final report (exit code -9)")
+    b.add(con("consumer-0", 9, 10 * S, received=1990, event="final", highest={0: 1000, 1: 990}))
+    r = drained(b, DRAIN_EMPTY, q=(0, 0))
+    assert (r.undelivered, r.lost) == (10, 0)
+
+
+def test_publishes_after_the_broker_closed_the_channel_are_rejected_with_its_reason():
+    b = one_queue(publishers=2)
+    reason = "406 PRECONDITION_FAILED - message size 2000000 is larger than configured max size 1048576 (channel closed)"
+    b.add(pub("publisher-0", 0, 1 * S, sent=64, event="final", connection="refused", refusal=reason))
+    b.add(pub("publisher-1", 5, 6 * S, sent=1000, event="final", connection="refused",
+              refusal="320 CONNECTION_FORCED - broker shutting down (connection closed)"))
+    b.add(con("consumer-0", 9, 10 * S, received=600, event="final", highest={1: 600}))
+    assert b.refused() and b.expected_deliveries() == 600
+    r = drained(b, DRAIN_EMPTY, q=(0, 0))
+    assert (r.delivered, r.undelivered, r.lost, r.rejected) == (600, 0, 0, 64 + 400)
+    assert r.rejections == {reason: 64, "320 CONNECTION_FORCED - broker shutting down (connection closed)": 400}
+
+
+def test_a_refused_publisher_with_confirms_keeps_what_was_confirmed():
+    b = ReportBook(LoadConfig(queue="q", confirm=100), 0, ["consumer-0", "publisher-0"])
+    b.add(pub("publisher-0", 5, 6 * S, sent=1000, confirmed=800, settled=800, event="final", connection="refused",
+              refusal="541 INTERNAL_ERROR (connection closed)"))
+    b.add(con("consumer-0", 9, 10 * S, received=790, event="final", highest={0: 790}))
+    r = drained(b, DRAIN_TIME, q=(0, 0))
+    assert (r.rejected, r.undelivered, r.lost) == (200, 10, 0)   # 791..800 were confirmed: may still come
+    r = drained(b, DRAIN_EMPTY, q=(0, 0))
+    assert (r.rejected, r.undelivered, r.lost) == (200, 0, 10)   # confirmed, the broker empty: gone
+
+
 def test_fan_out_expects_one_copy_per_consumed_queue():
     b = ReportBook(LoadConfig(consumers=2, queues=["a", "b", "c"]), 0, ["publisher-0", "consumer-0", "consumer-1"])
-    b.add(pub("publisher-0", 0, S, sent=100))
-    b.add(con("consumer-0", 0, S, received=100))
-    b.add(con("consumer-1", 0, S, received=90))
+    b.add(pub("publisher-0", 0, S, sent=100, event="final"))
+    b.add(con("consumer-0", 0, S, received=100, highest={0: 100}))
+    b.add(con("consumer-1", 0, S, received=90, highest={0: 90}))
     assert b.expected_deliveries() == 200                       # queue c has no consumer
-    assert b.result([]).lost == 10
+    r = drained(b, DRAIN_TIME, a=(0, 0), b=(0, 0), c=(100, 0))  # c's copies are no one's to deliver
+    assert (r.undelivered, r.lost) == (10, 0)
+    assert drained(b, DRAIN_EMPTY, a=(0, 0), b=(0, 0), c=(100, 0)).lost == 10
+
+
+def test_without_consumers_nothing_is_expected():
+    b = ReportBook(LoadConfig(consumers=0, queue="q"), 0, ["publisher-0"])
+    b.add(pub("publisher-0", 0, S, sent=100, event="final"))
+    r = drained(b, DRAIN_DELIVERED, q=(100, 0))
+    assert (b.expected_deliveries(), r.undelivered, r.lost, r.rejected) == (0, 0, 0, 0)
 
 
 def test_a_worker_that_dies_is_reported_and_no_longer_awaited():

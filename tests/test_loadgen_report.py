@@ -8,7 +8,7 @@ import pytest
 
 from pipeline.loadgen.harness import LoadResult, SecondReport
 from pipeline.loadgen.report import (WorkerLink, WorkerLinkError, decode_control, decode_records, encode_record,
-                                     encode_start, encode_stop, format_line, format_summary)
+                                     encode_end, encode_start, encode_stop, format_line, format_summary)
 
 S = 1_000_000_000
 
@@ -21,10 +21,11 @@ def con(worker, k, at_ns, received, hist="", stale=0, gaps=0, event="second"):
 
 # -- pipe codecs -------------------------------------------------------------------------------
 def test_control_commands_round_trip_and_wait_for_whole_records():
-    data = encode_start(123456789) + encode_stop()
+    data = encode_start(123456789) + encode_stop() + encode_end()
     assert decode_control(data[:5]) == (None, None, 0)
     assert decode_control(data) == ("start", 123456789, 9)
     assert decode_control(data[9:]) == ("stop", None, 1)
+    assert decode_control(data[10:]) == ("end", None, 1)
     with pytest.raises(WorkerLinkError, match="unknown control byte"):
         decode_control(b"X")
 
@@ -57,7 +58,7 @@ def test_worker_link_over_real_pipes():
         assert records == [{"event": "ready", "worker": "publisher-3"}]
         os.close(control_w)
         control_w = -1
-        assert link.command_nowait() == ("stop", None)        # the harness going away means stop
+        assert link.command_nowait() == ("end", None)         # the harness going away ends the worker
     finally:
         for fd in (report_r, report_w, control_r, control_w):
             if fd >= 0:
@@ -96,6 +97,7 @@ def test_the_summary_block():
         "id: test-1, receiving rate avg: 99 msg/s",
         "id: test-1, min/median/75th/95th/99th/max confirm latency: 700/700/700/700/700/700 µs",
         "id: test-1, min/median/75th/95th/99th/max consumer latency: 700/700/700/700/700/900 µs",
-        "id: test-1, published 100, confirmed 100, nacked 0, returned 0, delivered 99, lost 1",
+        "id: test-1, published 100, confirmed 100, nacked 0, returned 0, delivered 99, undelivered 0, lost 1, "
+        "rejected 0",
         "id: test-1, error: consumer-0: broker closed the connection: 320 CONNECTION_FORCED",
     ]

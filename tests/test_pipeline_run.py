@@ -1,13 +1,16 @@
-"""``creditflow run`` end to end: the run directory, losslessness, and a slow store blocking the reader."""
+"""``creditflow run`` end to end: the run directory, losslessness, a slow store blocking the reader,
+where every message went when a planted bottleneck outlasts the drain, and options refused before
+anything starts."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
 
-from conftest import ROOT, creditflow_cmd, run_creditflow
+from conftest import ROOT, _started, creditflow_cmd, kill_group, run_creditflow
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
@@ -65,12 +68,85 @@ def test_slow_store_blocks_the_reader_and_in_flight_stays_within_credit(tmp_path
     assert s["lost"] == 0
 
 
-def test_bad_option_exits_2_with_one_line(tmp_path):
-    proc = subprocess.run(creditflow_cmd("run", "--credit", "100,200"), capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
-    assert proc.returncode == 2
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert "100,200" in proc.stderr
+@pytest.mark.parametrize("args, reason", [
+    (("--credit", "100,200"), "100,200"),
+    (("-x", "0", "-y", "0"), "a run needs at least one producer or consumer"),
+    (("-q", "70000"), r"prefetch (-q) must be between 0 and 65535 (basic.qos prefetch_count is 16 bits), got 70000"),
+    (("-s", "200000000"), "size (-s) must be between 0 and 134217728 bytes"),
+    (("-s", "2000000"), "messages of 2000000 bytes (-s) are over the broker's --max-message-bytes 1048576"),
+    (("-s", "5000", "--max-message-bytes", "4096"), "--max-message-bytes 4096"),
+    (("--drain-s", "-1"), "argument --drain-s: must be 0 or more seconds, got -1"),
+    (("--drain-s", "soon"), "argument --drain-s: expected a number of seconds, got 'soon'"),
+    (("-z", "0"), "argument -z/--time: must be at least 1"),
+])
+def test_a_bad_option_exits_2_with_one_line_before_anything_starts(tmp_path, args, reason):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(creditflow_cmd("run", "--run-dir", str(run_dir), "--plain", *args),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=ROOT)
+    _started.append(proc)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        pgid_gone = _group_gone(proc.pid)
+        kill_group(proc)
+    assert proc.returncode == 2, out + err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("creditflow run: ") and reason in err, err
+    assert out == ""
+    assert not run_dir.exists(), "no broker was started, so no run directory"
+    assert pgid_gone, "no process of the run outlived it"
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_planted_channel_bottleneck_leaves_messages_undelivered_not_lost(tmp_path):
+    """Two publishers fill their sockets far faster than two 700 µs channels take messages: when the
+    drain runs out, what is still in socket buffers and the broker is undelivered, and nothing is lost."""
+    code, out, s = run(tmp_path, "-x", "2", "-y", "1", "-z", "2", "--channel-delay-us", "700", "-s", "64",
+                       "--drain-s", "2")
+    assert code == 0, out
+    assert s["lost"] == 0 and s["rejected"] == 0 and s["rejections"] == {}
+    assert s["undelivered"] > 0 and s["delivered"] > 0
+    assert s["delivered"] + s["undelivered"] == s["published"]
+    assert s["drain"]["end"] == "time" and 2 <= s["drain"]["seconds"] < 4
+    assert set(s["drain"]["queues"]) == {"creditflow-perf"}
+    assert set(s["drain"]["queues"]["creditflow-perf"]) == {"messages", "unacked"}
+    last = out.strip().splitlines()[-1]
+    assert last.startswith(f"published {s['published']}, delivered {s['delivered']}, "
+                           f"undelivered {s['undelivered']}, lost 0, rejected 0;"), out
+    assert "drain: ended after" in out and "(time); creditflow-perf " in out
+
+
+def test_a_planted_queue_bottleneck_with_small_credit_leaves_messages_undelivered_not_lost(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-s", "100", "-z", "2", "--credit", "20,10",
+                       "--queue-delay-us", "2000", "--drain-s", "2")
+    assert code == 0, out
+    assert (s["lost"], s["rejected"]) == (0, 0)
+    assert s["undelivered"] > 0 and s["delivered"] + s["undelivered"] == s["published"]
+    assert s["drain"]["end"] == "time"
+
+
+def test_the_drain_empties_a_backlog_left_at_the_end_of_the_window(tmp_path):
+    """A consumer slower than the publisher leaves a backlog at -z; the drain waits for it."""
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-r", "3000", "-s", "100", "-z", "2", "-L", "500")
+    assert code == 0, out
+    assert s["published"] == 6000
+    assert s["delivered"] == 6000 and (s["undelivered"], s["lost"], s["rejected"]) == (0, 0, 0)
+    assert s["drain"]["end"] == "delivered" and s["drain"]["seconds"] > 0.5      # 6000 take 3 s at 2000 msg/s
+
+
+def test_without_consumers_nothing_is_expected_and_nothing_lost(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "0", "-r", "500", "-s", "100", "-z", "1")
+    assert code == 0, out
+    assert s["published"] == 500 and (s["delivered"], s["undelivered"], s["lost"]) == (0, 0, 0)
+    assert "creditflow-perf" in s["drain"]["queues"]          # the depths are recorded all the same
 
 
 def _rows(telemetry_dir, name: str) -> int:

@@ -15,8 +15,14 @@ After ``set_nonblocking`` the publisher and consumer loops own the socket:
 ``frames.next_frame``, handles its own hot frames (deliveries, confirms)
 and hands every other frame to ``handle_frame``, then calls ``discard``.
 ``handle_frame`` records ``connection.blocked`` / ``unblocked`` with their
-times, answers and raises on ``connection.close`` and ``channel.close``, and
-ignores heartbeats (their arrival already counts as traffic).
+times, answers and raises on ``connection.close`` and ``channel.close``, notes
+``connection.close-ok`` (``close_ok``) and ignores heartbeats (their arrival
+already counts as traffic).
+
+Closing: ``close`` is the blocking handshake; a loop that must keep reading
+while it closes writes ``close_frame()`` itself and waits for ``close_ok``.
+The broker answers a close only after every frame sent before it, so
+close-ok means it has read all of them.
 
 Heartbeats: ``tick`` sends one when nothing was sent for half the negotiated
 interval (the caller calls it only between whole frames) and raises
@@ -137,6 +143,7 @@ class AmqpClient:
         self._bytes_received = 0
         self._heartbeats_sent = 0
         self._closed = False
+        self.close_ok = False        # connection.close-ok arrived (after our connection.close)
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as exc:
@@ -241,6 +248,8 @@ class AmqpClient:
             self._set_blocked(True, method.reason)
         elif name == "Connection.Unblocked":
             self._set_blocked(False, "")
+        elif name == "Connection.CloseOk":
+            self.close_ok = True
         elif name == "Connection.Close":
             self._reply_quietly(0, commands.Connection.CloseOk())
             self._closed = True
@@ -342,6 +351,12 @@ class AmqpClient:
                                 blocked_count=self._blocked_count, blocked_ns=blocked_ns)
 
     # -- closing ----------------------------------------------------------------------------
+    @staticmethod
+    def close_frame() -> bytes:
+        """connection.close (200, a normal close), for a caller that writes it with ``send_nowait``."""
+        return frames.encode_method(0, commands.Connection.Close(reply_code=200, reply_text="Goodbye",
+                                                                 class_id=0, method_id=0))
+
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
         """connection.close, then wait for close-ok; True if it came within ``timeout_s``.
 
@@ -357,8 +372,7 @@ class AmqpClient:
             self._sock.setblocking(True)
             self._sock.settimeout(timeout_s)
             self.buffer.clear()
-            self._sock.sendall(frames.encode_method(0, commands.Connection.Close(
-                reply_code=200, reply_text="Goodbye", class_id=0, method_id=0)))
+            self._sock.sendall(self.close_frame())
             deadline = time.monotonic() + timeout_s
             while not ok and time.monotonic() < deadline:
                 data = self._sock.recv(RECEIVE_CHUNK_BYTES)
@@ -379,6 +393,6 @@ class AmqpClient:
         return ok
 
     def abort(self) -> None:
-        """Drop the TCP connection without a handshake."""
+        """Drop the TCP connection without a handshake (or after one ``close_ok`` ended)."""
         self._closed = True
         self._sock.close()

@@ -13,6 +13,7 @@ confirm                -c           max unconfirmed per producer; None = no conf
 prefetch               -q           basic.qos prefetch_count; 0 = unlimited
 autoack                -a           consume with no_ack
 duration_s             -z           seconds of publishing
+drain_s                --drain-s    after -z, seconds consumers may take to empty the queues
 consumer_latency_us    -L           time a consumer spends on each message
 queue                  -u           queue name
 queues                 (fan-out)    several queues bound to one fanout exchange
@@ -26,6 +27,7 @@ consumers are spread over the queues round-robin.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from pipeline.loadgen import LoadgenError
@@ -42,17 +44,22 @@ class InvalidLoadConfig(LoadgenError, ValueError):
     """Raised when a load option is out of range; the CLI prints the reason and exits 2."""
 
 
-def _int(name: str, value, low: int, high: int | None = None) -> None:
+def _int(name: str, value, low: int, high: int | None = None, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidLoadConfig(f"{name} must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
         bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-        raise InvalidLoadConfig(f"{name} must be {bounds}, got {value}")
+        raise InvalidLoadConfig(f"{name} must be {bounds}{why}, got {value}")
 
 
 def _name(what: str, value) -> None:
     if not isinstance(value, str) or not value or len(value.encode("utf-8")) > 255:
         raise InvalidLoadConfig(f"{what} must be a name of 1 to 255 bytes, got {value!r}")
+
+
+def _seconds(value) -> bool:
+    """A finite number (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,7 @@ class LoadConfig:
     frame_max: int = 131072
     heartbeat_s: int = 60
     batch: int = 64                       # publish frame-sets per socket write when unthrottled
-    drain_idle_s: float = 5.0             # end the drain after this long without a delivery
+    drain_s: float = 30.0                 # after -z: at most this long for the broker to hand everything on
 
     def __post_init__(self) -> None:
         _int("producers (-x)", self.producers, 0)
@@ -87,18 +94,18 @@ class LoadConfig:
         if self.rate is not None:
             if isinstance(self.rate, bool) or not isinstance(self.rate, (int, float)) or not self.rate > 0:
                 raise InvalidLoadConfig(f"rate (-r) must be a positive number of msg/s, got {self.rate!r}")
-        _int("size (-s)", self.size, 0, MAX_BODY_BYTES)
+        _int("size (-s)", self.size, 0, MAX_BODY_BYTES, " bytes (128 MiB, the largest body this load generator sends)")
         if self.confirm is not None:
             _int("max unconfirmed (-c)", self.confirm, 1)
-        _int("prefetch (-q)", self.prefetch, 0, MAX_PREFETCH)
+        _int("prefetch (-q)", self.prefetch, 0, MAX_PREFETCH, " (basic.qos prefetch_count is 16 bits)")
         _int("consumer latency (-L)", self.consumer_latency_us, 0)
         for flag in ("persistent", "mandatory", "autoack", "durable"):
             if not isinstance(getattr(self, flag), bool):
                 raise InvalidLoadConfig(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        for what in ("duration_s", "drain_idle_s"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise InvalidLoadConfig(f"{what} must be a positive number of seconds, got {value!r}")
+        if not _seconds(self.duration_s) or not self.duration_s > 0:
+            raise InvalidLoadConfig(f"duration (-z) must be a positive number of seconds, got {self.duration_s!r}")
+        if not _seconds(self.drain_s) or not self.drain_s >= 0:
+            raise InvalidLoadConfig(f"drain time (--drain-s) must be 0 or more seconds, got {self.drain_s!r}")
         _name("queue (-u)", self.queue)
         queues = (self.queue,) if not self.queues else self.queues
         if isinstance(queues, str):

@@ -20,7 +20,11 @@ Measurements, per complete message:
   ``stale`` and not measured;
 - ``SequenceChecker``: per producer, a sequence above the next expected one
   counts the skipped ones as ``gaps``, one below it as a ``duplicate``. It
-  only makes sense when this consumer is its queue's only consumer.
+  only makes sense when this consumer is its queue's only consumer;
+- the highest sequence received from each producer (``highest``): the broker
+  reads a connection's publishes in order, so every publish up to it was
+  read. The harness counts what came after it as still on its way when a
+  drain ends early (see ``harness``).
 
 With -L the stream spends that long per message: busy-waiting below a
 millisecond (sleep cannot be that precise), sleeping above.
@@ -90,6 +94,7 @@ class ConsumerStatistics:
     gaps: int
     duplicates: int
     acked_tag: int                # highest delivery tag acknowledged
+    highest: dict                 # producer id -> highest sequence received from it
 
 
 class DeliveryShape:
@@ -126,6 +131,7 @@ class DeliveryStream:
         self.recorder = recorder
         self.frame_max = frame_max
         self.sequence = SequenceChecker() if check_sequence else None
+        self.top: dict[int, int] = {}   # producer -> highest sequence, when ``sequence`` does not keep it
         self.delay_us = delay_us
         self.spend = spend
         self.clock = clock
@@ -155,6 +161,7 @@ class DeliveryStream:
         frame_max = self.frame_max
         counts = self.recorder.counts
         expected = self.sequence.expected if self.sequence is not None else None
+        top = self.top
         run_start_ns = self.run_start_ns
         delay_us = self.delay_us
         in_content, body_left, head = self._in_content, self._body_left, self._head
@@ -237,6 +244,10 @@ class DeliveryStream:
                             expected[producer] = seq + 1
                         else:
                             duplicates += 1
+                    else:
+                        _, seq, producer = head
+                        if seq > top.get(producer, 0):
+                            top[producer] = seq
                 if delay_us:
                     self.spend(delay_us)
         finally:
@@ -249,6 +260,12 @@ class DeliveryStream:
         if last_deliver is not None:
             self.last_tag = frames.decode_deliver(buf, *last_deliver)[1]
         return pos
+
+    def highest(self) -> dict[int, int]:
+        """Producer id -> the highest sequence received from it (this run's messages only)."""
+        if self.sequence is not None:
+            return {producer: nxt - 1 for producer, nxt in self.sequence.expected.items()}
+        return dict(self.top)
 
 
 class Consumer:
@@ -275,7 +292,7 @@ class Consumer:
         seq = s.sequence if s is not None else None
         return ConsumerStatistics(received=s.received if s else 0, stale=s.stale if s else 0,
                                   gaps=seq.gaps if seq else 0, duplicates=seq.duplicates if seq else 0,
-                                  acked_tag=self.acked_tag)
+                                  acked_tag=self.acked_tag, highest=s.highest() if s else {})
 
     def read_nowait(self) -> int:
         """Take in what the socket holds, measure and acknowledge it; its byte count. WouldBlock if none."""
@@ -319,7 +336,7 @@ class Consumer:
                 got = 0
             if now >= next_control_ns or any(fd == control_fd for fd, _ in events):
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
-                if link.command_nowait()[0] == "stop":
+                if link.command_nowait()[0] in ("stop", "end"):
                     return
             if got == RECEIVE_CHUNK_BYTES:       # a full read: more is probably waiting
                 events = []

@@ -7,17 +7,20 @@ Lifecycle (``run_load``)::
     start instant chosen; "G"+start to every worker ─▶ seconds counted from it
     every second: each worker reports; the book merges second k into a
         SecondReport once every live worker has reported it (or 300 ms late)
-    at -z: "S" to producers ─▶ each finishes its batch, waits for confirms
-        (drain_idle_s at most), sends its final report, closes
-    drain: consumers run on until they have every copy that was published,
-        or nothing arrived for drain_idle_s ─▶ "S" to consumers ─▶ finals
+    at -z: "S" to producers ─▶ each finishes its batch, waits for confirms,
+        closes and waits for close-ok (the broker has read everything), reports
+    drain: consumers run on until every copy arrived, or the broker's queues
+        are empty and still (asked through ``broker``), or ``drain_s`` is over
+        (see ``accounting``) ─▶ "E" to producers still closing (they report and
+        drop the connection) ─▶ "S" to consumers ─▶ finals
     reap: every worker is waited for, killed if it lingers
 
 A worker is forked with SIGINT/SIGTERM blocked until it has set itself up;
 it ignores SIGINT (the harness coordinates shutdown) and asks the kernel for
 SIGKILL when the harness dies (PR_SET_PDEATHSIG), so no worker outlives a
 killed harness. The pipe records are described in ``report``; ``ReportBook``
-is the pure part that turns records into per-second and final figures.
+is the pure part that turns records into per-second and final figures, and
+``accounting`` says where each message ended up.
 """
 
 from __future__ import annotations
@@ -30,18 +33,20 @@ import time
 from dataclasses import dataclass, field
 
 from pipeline.amqp.errors import AmqpError
-from pipeline.loadgen import LoadgenError, latency
+from pipeline.loadgen import LoadgenError, accounting, latency
+from pipeline.loadgen.accounting import BrokerView, DrainEnd
 from pipeline.loadgen.client import ClientError
 from pipeline.loadgen.config import LoadConfig
 from pipeline.loadgen.consumer import Consumer
 from pipeline.loadgen.publisher import Publisher
-from pipeline.loadgen.report import WorkerLink, decode_records, encode_start, encode_stop
+from pipeline.loadgen.report import WorkerLink, decode_records, encode_end, encode_start, encode_stop
 
 NS_PER_S = 1_000_000_000
 READY_TIMEOUT_S = 30.0
 START_WAIT_TIMEOUT_S = 120.0
 SECOND_GRACE_NS = 300_000_000
 FINAL_TIMEOUT_S = 10.0
+DRAIN_POLL_S = 0.25
 REAP_TIMEOUT_S = 5.0
 PR_SET_PDEATHSIG = 1
 EXIT_OK = 0
@@ -76,7 +81,7 @@ class LoadResult:
     nacked: int
     returned: int
     delivered: int
-    lost: int                     # copies published, not nacked or returned, never delivered
+    lost: int                     # copies the broker accepted and never delivered (see ``accounting``)
     stale: int                    # deliveries left over from earlier runs
     gaps: int
     duplicates: int
@@ -89,6 +94,10 @@ class LoadResult:
     blocked_events: dict = field(default_factory=dict)   # publisher -> ((time_s, "blocked"/"unblocked", reason), ...)
     errors: tuple = ()
     cpu_s: dict = field(default_factory=dict)   # worker -> CPU seconds the worker process used
+    undelivered: int = 0          # copies still on their way when the drain ended
+    rejected: int = 0             # publishes the broker refused
+    rejections: dict = field(default_factory=dict)   # reason -> publishes
+    drain: DrainEnd | None = None
 
 
 # -- the pure part ---------------------------------------------------------------------------
@@ -212,10 +221,24 @@ class ReportBook:
     def delivered(self) -> int:
         return self._sum("consumer", "received")
 
+    def stats(self, role: str) -> dict[str, dict]:
+        """Worker -> its latest statistics, for one role."""
+        return {w: self.latest.get(w, {}).get("stats", {}) for w in self.workers if self.role(w) == role}
+
+    def accounts(self, drain: DrainEnd | None = None) -> accounting.Accounts:
+        return accounting.account(self.cfg, self.stats("publisher"), self.stats("consumer"), drain)
+
     def expected_deliveries(self) -> int:
-        """Copies the consumers should get: each publish not nacked or returned, once per consumed queue."""
-        settled_elsewhere = self._sum("publisher", "nacked") + self._sum("publisher", "returned")
-        return max(0, self.published - settled_elsewhere) * self.cfg.copies_consumed
+        """Copies the consumers should get: each publish not rejected, once per consumed queue."""
+        return self.accounts().expected
+
+    def publishers_ended(self) -> bool:
+        """Every publisher has sent its final report (or is gone)."""
+        return all(w in self.gone for w in self.workers if self.role(w) == "publisher")
+
+    def refused(self) -> bool:
+        """The broker closed some publisher's channel or connection."""
+        return any(s.get("connection") == accounting.REFUSED for s in self.stats("publisher").values())
 
     def _window_rate(self, role: str, name: str, fallback_s: float) -> float:
         rate = 0.0
@@ -229,10 +252,13 @@ class ReportBook:
                 rate += self._stat(w, name) / fallback_s
         return rate
 
-    def result(self, seconds: list[SecondReport]) -> LoadResult:
+    def result(self, seconds: list[SecondReport], drain: DrainEnd | None = None) -> LoadResult:
+        """The run's figures; ``drain`` (how the drain ended) decides what counts as lost."""
         cfg = self.cfg
         published, delivered = self.published, self.delivered
-        lost = max(0, self.expected_deliveries() - delivered) if cfg.consumers and cfg.producers else 0
+        if drain is None:
+            drain = DrainEnd(accounting.DRAIN_IDLE, 0.0)
+        accounts = self.accounts(drain)
         lat = {"consumer": latency.percentiles(self.totals["consumer"])}
         hists = {"consumer": latency.encode(self.totals["consumer"])}
         if cfg.confirm:
@@ -242,14 +268,15 @@ class ReportBook:
         return LoadResult(
             run_id=self.run_id, published=published, confirmed=self._sum("publisher", "confirmed"),
             nacked=self._sum("publisher", "nacked"), returned=self._sum("publisher", "returned"),
-            delivered=delivered, lost=lost, stale=self._sum("consumer", "stale"),
+            delivered=delivered, lost=accounts.lost, stale=self._sum("consumer", "stale"),
             gaps=self._sum("consumer", "gaps"), duplicates=self._sum("consumer", "duplicates"),
             publish_rate=self._window_rate("publisher", "sent", cfg.duration_s),
             deliver_rate=self._window_rate("consumer", "received", cfg.duration_s),
             window_s=max(windows) / NS_PER_S if windows else float(cfg.duration_s),
             latency_us=lat, histograms=hists, seconds=tuple(seconds),
             blocked_events={w: tuple(e) for w, e in self.events.items()}, errors=tuple(self.errors),
-            cpu_s=dict(self.cpu_s))
+            cpu_s=dict(self.cpu_s), undelivered=accounts.undelivered, rejected=accounts.rejected,
+            rejections=accounts.rejections, drain=drain)
 
 
 # -- processes -------------------------------------------------------------------------------
@@ -288,12 +315,11 @@ def _worker_main(name: str, cfg: LoadConfig, index: int, link: WorkerLink) -> in
         return EXIT_WORKER_FAILED
     try:
         worker.run(link, start_ns)
-        if isinstance(worker, Publisher):
-            worker.finish(link, start_ns, cfg.drain_idle_s)
-        else:
-            worker.finish(link, start_ns)
+        worker.finish(link, start_ns)
     except (ClientError, AmqpError, OSError) as exc:
         worker.client.abort()
+        if isinstance(worker, Publisher):
+            worker.ended(exc)
         worker.report(link, "final", start_ns, time.monotonic_ns())
         link.send("error", error=str(exc))
         return EXIT_WORKER_FAILED
@@ -432,11 +458,15 @@ def _run_id() -> str:
     return f"test-{time.strftime('%H%M%S', time.localtime(now))}-{int(now * 1000) % 1000:03d}"
 
 
-def run_load(cfg: LoadConfig, on_second=None) -> LoadResult:
+def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None) -> LoadResult:
     """Run ``cfg``'s load against the broker at ``cfg.host:cfg.port``.
 
     ``on_second(SecondReport)`` is called once a second of the producing
     window; if it returns a true value, publishing stops there (early).
+    ``broker()``, if given, returns a ``BrokerView`` of the broker's queues:
+    the drain asks it whether they are empty, and records their depths when
+    it ends. ``on_drain(seconds, delivered, expected, view)`` is called about
+    once a second of the drain (``view`` None without ``broker``).
 
     Raises WorkerFailed if a worker cannot connect or set up; a worker that
     fails later is listed in ``LoadResult.errors`` and the run carries on.
@@ -458,12 +488,12 @@ def run_load(cfg: LoadConfig, on_second=None) -> LoadResult:
         _send(workers, encode_start(start_ns))
         seconds = _produce(cfg, workers, book, start_ns, on_second)
         _send(producers, encode_stop())
-        _until(lambda: all(not w.open or w.name in book.gone for w in producers),
-               workers, book, cfg.drain_idle_s + FINAL_TIMEOUT_S)
-        _drain(cfg, workers, book)
+        drain = _drain(cfg, workers, book, broker, on_drain)
+        _send(producers, encode_end())
+        _until(lambda: all(not w.open or w.name in book.gone for w in producers), workers, book, FINAL_TIMEOUT_S)
         _send(consumers, encode_stop())
         _until(lambda: all(not w.open or w.name in book.gone for w in consumers), workers, book, FINAL_TIMEOUT_S)
-        return book.result(seconds)
+        return book.result(seconds, drain)
     finally:
         _reap(workers)
 
@@ -499,17 +529,43 @@ def _until(done, workers, book: ReportBook, timeout_s: float) -> None:
         _read_reports(workers, book, min(0.2, max(0.0, deadline - time.monotonic())))
 
 
-def _drain(cfg: LoadConfig, workers, book: ReportBook) -> None:
-    """Let consumers take what is still queued: until all copies arrived or none came for ``drain_idle_s``."""
-    if not cfg.consumers:
-        return
-    seen = book.delivered
-    last_progress = time.monotonic()
-    while book.delivered < book.expected_deliveries():
-        if not any(w.open and w.name.startswith("consumer") for w in workers):
-            return
-        _read_reports(workers, book, 0.2)
-        if book.delivered != seen:
-            seen, last_progress = book.delivered, time.monotonic()
-        elif time.monotonic() - last_progress > cfg.drain_idle_s:
-            return
+def _drain(cfg: LoadConfig, workers, book: ReportBook, broker, on_drain) -> DrainEnd:
+    """After -z: read reports until the drain is over (see ``accounting``); how it ended."""
+    started = time.monotonic()
+    deadline = started + cfg.drain_s
+    queues = accounting.consumed_queues(cfg)
+    consumers = [w for w in workers if book.role(w.name) == "consumer"]
+    still = None                   # the broker's view, unchanged since ``still_at``
+    still_at = started
+    heard, heard_at = book.delivered, started
+    next_progress = started + 1.0
+
+    def end(why: str) -> DrainEnd:
+        last = broker() if broker is not None else None
+        return DrainEnd(why, round(time.monotonic() - started, 3),
+                        {q: last.queues[q] for q in cfg.queues if q in last.queues} if last is not None else None)
+
+    while True:
+        now = time.monotonic()
+        if book.delivered != heard:
+            heard, heard_at = book.delivered, now
+        ended = book.publishers_ended()
+        if ended and book.delivered >= book.expected_deliveries() and not book.refused():
+            return end(accounting.DRAIN_DELIVERED)
+        if consumers and not any(w.open and w.name not in book.gone for w in consumers):
+            return end(accounting.DRAIN_CONSUMERS_GONE)
+        if now >= deadline:
+            return end(accounting.DRAIN_TIME)
+        view = broker() if broker is not None and (ended or now >= next_progress) else None
+        if ended and view is not None:
+            if not view.empty(queues) or not view.same_as(still, queues) or heard_at > still_at:
+                still, still_at = view, now
+            elif now - still_at >= accounting.QUIET_S:
+                return end(accounting.DRAIN_EMPTY)
+        elif ended and now - heard_at >= accounting.IDLE_S:
+            return end(accounting.DRAIN_IDLE)
+        if now >= next_progress:
+            next_progress += 1.0
+            if on_drain is not None:
+                on_drain(now - started, book.delivered, book.expected_deliveries(), view)
+        _read_reports(workers, book, min(DRAIN_POLL_S, max(0.0, deadline - now)))

@@ -25,6 +25,21 @@ counted (its content frames are skipped).
 The process loop is short: compose a batch if none is in flight, write what
 the socket takes, read what arrived, and wait in ``select`` only when
 neither made progress.
+
+After the window (``finish``) the publisher completes the batch in flight,
+waits for outstanding confirms, then sends connection.close and waits for
+close-ok: the broker answers only once it has read every publish before the
+close, so a socket buffer still full of publishes is drained, not dropped.
+How the connection ended is part of the final report (``connection``):
+
+=========  =================================================================
+closed     close-ok came: the broker read every publish
+refused    the broker closed the channel or connection (``refusal`` says
+           with which reply code and text); it discards what follows
+failed     the connection broke (reset, EOF, silence)
+open       the drain ended (the harness's "end") before close-ok; publishes
+           may still sit in socket buffers; the connection is dropped
+=========  =================================================================
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ from dataclasses import asdict, dataclass
 from ipc.errors import WouldBlock
 from pipeline.amqp import frames
 from pipeline.loadgen import latency
-from pipeline.loadgen.client import CHANNEL, AmqpClient
+from pipeline.loadgen.client import CHANNEL, AmqpClient, ServerClosed
 from pipeline.loadgen.config import BODY_HEADER_BYTES, LoadConfig
 from pipeline.loadgen.report import WorkerLink
 
@@ -47,6 +62,7 @@ TEMPLATE_MAX_BYTES = 1024 * 1024        # a batch of big messages holds fewer of
 NS_PER_S = 1_000_000_000
 REPORT_INTERVAL_NS = 1_000_000_000
 CONTROL_POLL_BUSY_NS = 20_000_000
+FINISH_POLL_MS = 200
 BASIC_NACK = (60, 120)
 BASIC_RETURN = (60, 50)
 assert BODY_HEAD.size == BODY_HEADER_BYTES
@@ -138,6 +154,11 @@ class ConfirmTracker:
             for i, ts in enumerate(intended_ns):
                 pending[first_seq + i] = ts
 
+    @property
+    def settled_through(self) -> int:
+        """Every publish up to this sequence is confirmed or nacked (0 without confirms)."""
+        return self.lowest - 1
+
     def settle(self, tag: int, multiple: bool, nack: bool, now_ns: int) -> int:
         """Apply basic.ack / basic.nack ``tag``; how many publishes it settled."""
         pending = self.pending
@@ -172,9 +193,12 @@ class PublisherStatistics:
     nacked: int
     returned: int
     unconfirmed: int
+    settled_through: int          # every publish up to this sequence is confirmed or nacked
     blocked: bool                 # connection.blocked is in force
     blocked_count: int
     blocked_ns: int
+    connection: str = "open"      # at the end: closed, refused, failed or open (see the module's table)
+    refusal: str = ""             # refused: "<reply code> <reply text> (<channel|connection> closed)"
 
 
 class Publisher:
@@ -209,12 +233,24 @@ class Publisher:
         self.out = memoryview(b"")
         self.out_first_seq = 1
         self.out_done_bytes = 0
+        self.connection = "open"
+        self.refusal = ""
 
     def statistics(self) -> PublisherStatistics:
         c = self.client.statistics()
         return PublisherStatistics(sent=self.sent, confirmed=self.confirms.confirmed, nacked=self.confirms.nacked,
                                    returned=self.returned, unconfirmed=len(self.confirms.pending),
-                                   blocked=c.blocked, blocked_count=c.blocked_count, blocked_ns=c.blocked_ns)
+                                   settled_through=self.confirms.settled_through,
+                                   blocked=c.blocked, blocked_count=c.blocked_count, blocked_ns=c.blocked_ns,
+                                   connection=self.connection, refusal=self.refusal)
+
+    def ended(self, exc: BaseException) -> None:
+        """The connection ended with ``exc``: refused by the broker (a close with a reply code) or failed."""
+        if isinstance(exc, ServerClosed):
+            self.connection = "refused"
+            self.refusal = f"{exc.reply_code} {exc.reply_text} ({exc.what.split()[0]} closed)"
+        else:
+            self.connection = "failed"
 
     # -- one step each ------------------------------------------------------------------------
     def compose(self, schedule: RateSchedule, now_ns: int) -> bool:
@@ -314,7 +350,7 @@ class Publisher:
             busy = progressed and (self.out or self.cfg.rate is None)
             if not busy or now >= next_control_ns:       # busy: look at the control pipe now and then
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
-                if link.command_nowait()[0] == "stop":
+                if link.command_nowait()[0] in ("stop", "end"):
                     return                               # ``finish`` completes the batch in flight
             if busy:
                 continue
@@ -329,28 +365,51 @@ class Publisher:
             poller.modify(sock_fd, select.POLLIN | select.POLLOUT if self.out else select.POLLIN)
             poller.poll(max(0, deadline - self.clock()) / 1e6)
 
-    def finish(self, link: WorkerLink, start_ns: int, timeout_s: float) -> None:
-        """After stop: finish the batch in flight, wait for outstanding confirms, report, close."""
-        deadline = time.monotonic() + timeout_s
-        sock_fd = self.client.fileno()
-        while (self.out or self.confirms.pending) and time.monotonic() < deadline:
+    def finish(self, link: WorkerLink, start_ns: int) -> None:
+        """After the window: complete the batch in flight, wait for outstanding confirms, close and
+        wait for close-ok; until the harness says the drain is over ("end"). Then report, and drop
+        the connection if the close did not complete."""
+        client = self.client
+        sock_fd = client.fileno()
+        poller = select.poll()
+        poller.register(link.control_fd, select.POLLIN)
+        poller.register(sock_fd, select.POLLIN)
+        closing = None                                   # the close frame's unwritten bytes, once due
+        while not client.close_ok:
+            if link.command_nowait()[0] == "end":
+                break
+            progressed = False
             if self.out:
                 try:
                     self.write_nowait()
-                    continue
+                    progressed = True
+                except WouldBlock:
+                    pass
+            elif closing is None and not self.confirms.pending:
+                closing = memoryview(client.close_frame())
+            if closing:
+                try:
+                    closing = closing[client.send_nowait(closing):]
+                    progressed = True
                 except WouldBlock:
                     pass
             try:
                 self.read_nowait()
-                continue
+                progressed = True
             except WouldBlock:
                 pass
-            select.select([sock_fd], [sock_fd] if self.out else [], [], 0.05)
+            now = self.clock()
+            if not self.out and closing is None:
+                client.tick(now)                         # heartbeats only between whole frames
+            if progressed:
+                continue
+            writing = bool(self.out or closing)
+            poller.modify(sock_fd, select.POLLIN | select.POLLOUT if writing else select.POLLIN)
+            poller.poll(FINISH_POLL_MS)
+        if client.close_ok:
+            self.connection = "closed"
         self.report(link, "final", start_ns, self.clock())
-        if self.out:
-            self.client.abort()        # a frame is half written; the broker must not take it as whole
-        else:
-            self.client.close(timeout_s=max(1.0, deadline - time.monotonic()))
+        client.abort()        # after close-ok; or a frame may be half written, and the broker must not take it
 
     def report(self, link: WorkerLink, event: str, start_ns: int, now: int) -> int:
         """Send one report; the instant the next one is due."""

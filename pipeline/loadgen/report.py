@@ -3,7 +3,11 @@
 Control pipe, harness -> worker (bytes)::
 
     b"G" | u64 start instant, ns of time.monotonic_ns (big-endian)   start; time reports from here
-    b"S"                                                           stop
+    b"S"                                                           stop: publishers stop publishing,
+                                                                   settle and close; consumers close
+    b"E"                                                           end: the drain is over; a publisher
+                                                                   still closing reports and drops its
+                                                                   connection (EOF reads as end too)
 
 Report pipe, worker -> harness: one JSON object per line (UTF-8, ``\\n``
 ends a record; a record cut off by EOF is dropped as the worker's death)::
@@ -29,6 +33,7 @@ from pipeline.loadgen import LoadgenError
 
 START = b"G"
 STOP = b"S"
+END = b"E"
 _START = struct.Struct(">cQ")
 LATENCY_FIELDS = ("min", "p50", "p75", "p95", "p99", "max")
 
@@ -45,6 +50,10 @@ def encode_stop() -> bytes:
     return STOP
 
 
+def encode_end() -> bytes:
+    return END
+
+
 def decode_control(buf: bytes) -> tuple[str | None, int | None, int]:
     """``(command, start_ns, bytes consumed)`` of the first command in ``buf``; command None if incomplete."""
     if not buf:
@@ -52,6 +61,8 @@ def decode_control(buf: bytes) -> tuple[str | None, int | None, int]:
     head = buf[:1]
     if head == STOP:
         return "stop", None, 1
+    if head == END:
+        return "end", None, 1
     if head == START:
         if len(buf) < _START.size:
             return None, None, 0
@@ -97,7 +108,7 @@ class WorkerLink:
             view = view[os.write(self.report_fd, view):]
 
     def command_nowait(self) -> tuple[str | None, int | None]:
-        """The next command from the harness, ``(None, None)`` if none is there; EOF reads as stop."""
+        """The next command from the harness, ``(None, None)`` if none is there; EOF reads as end."""
         command, value, used = decode_control(self._pending)
         if command is None:
             try:
@@ -105,7 +116,7 @@ class WorkerLink:
             except BlockingIOError:
                 return None, None
             if not data:
-                return "stop", None                  # the harness went away
+                return "end", None                   # the harness went away
             self._pending += data
             command, value, used = decode_control(self._pending)
         self._pending = self._pending[used:]
@@ -149,7 +160,7 @@ def format_summary(result) -> str:
                  f"{_latencies(lat.get('consumer'))} µs")
     lines.append(f"id: {result.run_id}, published {result.published}, confirmed {result.confirmed}, "
                  f"nacked {result.nacked}, returned {result.returned}, delivered {result.delivered}, "
-                 f"lost {result.lost}")
+                 f"undelivered {result.undelivered}, lost {result.lost}, rejected {result.rejected}")
     if result.errors:
         lines.extend(f"id: {result.run_id}, error: {e}" for e in result.errors)
     return "\n".join(lines)
