@@ -139,6 +139,7 @@ def broker_view(status: dict) -> BrokerView:
 
 
 def drain_summary(drain) -> dict:
+    """``summary.json``'s ``drain``: why and when it ended, each queue's depth then (None if unknown)."""
     return {"end": drain.why, "seconds": drain.seconds,
             "queues": None if drain.queues is None else
             {q: {"messages": d.messages, "unacked": d.unacked} for q, d in drain.queues.items()}}
@@ -246,15 +247,17 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
 
 
 def depths_text(queues: dict | None) -> str:
+    """``q 12 ready, 3 unacked, ...`` from queue -> {"messages", "unacked"}."""
     if queues is None:
         return "queue depths unknown"
-    return ", ".join(f"{q} {d.messages} ready, {d.unacked} unacked" for q, d in sorted(queues.items())) \
+    return ", ".join(f"{q} {d['messages']} ready, {d['unacked']} unacked" for q, d in sorted(queues.items())) \
         or "no queue reported"
 
 
 def drain_line(elapsed_s: float, delivered: int, expected: int, view: BrokerView | None) -> str:
-    return (f"draining {elapsed_s:.0f} s: delivered {delivered} of {expected}; "
-            + depths_text(view.queues if view is not None else None))
+    queues = None if view is None else {q: {"messages": d.messages, "unacked": d.unacked}
+                                        for q, d in view.queues.items()}
+    return f"draining {elapsed_s:.0f} s: delivered {delivered} of {expected}; {depths_text(queues)}"
 
 
 def outcome_lines(summary: dict) -> list[str]:
@@ -262,11 +265,7 @@ def outcome_lines(summary: dict) -> list[str]:
     lines = []
     drain = summary["drain"]
     if drain["seconds"] or drain["end"] != "delivered":
-        queues = drain["queues"]
-        depths = ("queue depths unknown" if queues is None else
-                  ", ".join(f"{q} {d['messages']} ready, {d['unacked']} unacked" for q, d in sorted(queues.items()))
-                  or "no queue reported")
-        lines.append(f"drain: ended after {drain['seconds']:.1f} s ({drain['end']}); {depths}")
+        lines.append(f"drain: ended after {drain['seconds']:.1f} s ({drain['end']}); {depths_text(drain['queues'])}")
     for reason, n in sorted(summary["rejections"].items()):
         lines.append(f"rejected {n}: {reason}")
     for error in summary["errors"]:

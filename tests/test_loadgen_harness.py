@@ -469,3 +469,22 @@ def test_a_broker_that_is_not_there_fails_the_start_with_the_reason():
     with pytest.raises(WorkerFailed, match=f"consumer-0: cannot start: cannot connect to 127.0.0.1:{port}"):
         run_load(LoadConfig(port=port, duration_s=1))
     assert our_children() == []
+
+
+@pytest.mark.processes
+def test_publishes_the_broker_refuses_as_over_size_are_rejected_with_its_reply(start_broker):
+    """A real broker closes the channel with 406 at the first message over --max-message-bytes:
+    every publish is rejected with that reason, none is lost, and the drain sees the queue empty."""
+    from pipeline.runner import broker_view
+    broker = start_broker("--max-message-bytes", "1000")
+    cfg = LoadConfig(size=2000, duration_s=1, drain_s=20, port=broker.port, queue="big")
+    result = run_load(cfg, broker=lambda: broker_view(broker.status()))
+    assert result.published > 0 and result.delivered == 0
+    assert (result.rejected, result.lost, result.undelivered) == (result.published, 0, 0)
+    [(reason, count)] = result.rejections.items()
+    assert count == result.published
+    assert reason.startswith("406 PRECONDITION_FAILED") and "larger than configured max size 1000" in reason
+    assert reason.endswith("(channel closed)")
+    assert result.drain.why == "broker empty" and result.drain.seconds < 10
+    assert result.drain.queues == {"big": QueueDepth(0, 0, 0, 0)}
+    assert any("406" in e for e in result.errors)
