@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import datetime
 import struct
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
 from pamqp import body as pbody, commands, frame, header, heartbeat
 
-from pipeline.amqp import frames
-from pipeline.amqp.errors import ConnectionLevelError, FrameError
+from pipeline.amqp import fields, frames
+from pipeline.amqp.errors import (AmqpError, ConnectionLevelError, FrameError, clip_reply_text, erlang_binary)
 
 UTC = datetime.timezone.utc
 
@@ -191,8 +192,12 @@ def test_unknown_methods_are_not_implemented():
     assert (exc.value.reply_code, exc.value.class_id, exc.value.method_id) == (540, 60, 255)
 
 
-@pytest.mark.parametrize("mangle", ["truncate", "extend", "bad utf-8"])
-def test_undecodable_arguments_are_frame_errors(mangle):
+@pytest.mark.parametrize("mangle, text", [
+    ("truncate", "FRAME_ERROR - cannot decode <<0,0,6,111,114,100,101,114,115,2,0>>"),
+    ("extend", "FRAME_ERROR - cannot decode <<0,0,6,111,114,100,101,114,115,2,0,0,0,0,0>>"),
+    ("bad utf-8", "FRAME_ERROR - Malformed UTF-8 in shortstr"),
+])
+def test_undecodable_arguments_are_frame_errors_with_rabbitmqs_text(mangle, text):
     p = payload(frames.encode_method(1, commands.Queue.Declare(queue="orders", durable=True)))
     if mangle == "truncate":
         p = p[:-3]
@@ -200,9 +205,16 @@ def test_undecodable_arguments_are_frame_errors(mangle):
         p = p + b"\x00"
     else:
         p = p[:7] + b"\xff\xfe" + p[9:]     # inside the queue name
-    with pytest.raises(FrameError, match="FRAME_ERROR - cannot decode queue.declare") as exc:
+    with pytest.raises(FrameError) as exc:
         frames.decode_method(p, 0, len(p))
+    assert exc.value.reply_text == text
     assert (exc.value.reply_code, exc.value.class_id, exc.value.method_id) == (501, 50, 10)
+
+
+def test_content_bearing_methods_take_any_bytes_in_their_names_as_rabbitmq_does():
+    p = struct.pack(">HHH", 60, 40, 0) + b"\x01\xff\x01q\x00"
+    publish = frames.decode_method(p, 0, len(p))
+    assert publish.exchange == "\udcff" and publish.exchange.encode("utf-8", "surrogateescape") == b"\xff"
 
 
 def test_a_method_frame_too_short_for_its_ids_is_an_unknown_frame():
@@ -213,14 +225,15 @@ def test_a_method_frame_too_short_for_its_ids_is_an_unknown_frame():
 @pytest.mark.parametrize("cut", [1, 3, 8])
 def test_truncated_per_message_methods_are_frame_errors(cut):
     p = payload(frame.marshal(commands.Basic.Publish(exchange="ex", routing_key="rk"), 1))
-    with pytest.raises(FrameError, match="cannot decode basic.publish"):
+    with pytest.raises(FrameError, match="cannot decode <<") as exc:
         frames.decode_publish(p, 0, len(p) - cut)
+    assert (exc.value.class_id, exc.value.method_id) == frames.BASIC_PUBLISH
     p = payload(frame.marshal(commands.Basic.Deliver(consumer_tag="c", delivery_tag=1, exchange="e",
                                                      routing_key="r"), 1))
-    with pytest.raises(FrameError, match="cannot decode basic.deliver"):
+    with pytest.raises(FrameError, match="cannot decode <<"):
         frames.decode_deliver(p, 0, len(p) - cut)
     p = payload(frames.encode_basic_ack(1, 5))
-    with pytest.raises(FrameError, match="cannot decode basic.ack"):
+    with pytest.raises(FrameError, match="cannot decode <<"):
         frames.decode_basic_ack(p, 0, len(p) - cut)
 
 
@@ -233,6 +246,22 @@ def test_property_lists_must_be_exactly_as_long_as_their_flags_say():
         frames.check_properties(raw + b"\x00")
     assert frames.check_properties(b"\x00\x00") is None
     assert frames.check_properties(b"\x10\x00\x02") == 2
+
+
+def test_a_headers_table_is_walked_but_its_names_are_not_checked():
+    def props(table: bytes) -> bytes:
+        return b"\x30\x00" + struct.pack(">I", len(table)) + table + b"\x02"
+    assert frames.check_properties(props(b"\x01\xffI\x00\x00\x00\x01")) == 2, "any bytes in a name, as RabbitMQ"
+    for bad in (b"\x01aZ", b"\x01aI\x00\x00", b"\x05ab", b"\x01aS\x00\x00\x00\x09abc"):
+        with pytest.raises(FrameError, match="cannot decode") as exc:
+            frames.check_properties(props(bad))
+        assert (exc.value.class_id, exc.value.method_id) == frames.BASIC_PUBLISH
+    deep = b"\x01aI\x00\x00\x00\x01"
+    for _ in range(fields.FIELD_NESTING_MAX):
+        deep = b"\x01aF" + struct.pack(">I", len(deep)) + deep
+    with pytest.raises(FrameError, match="nested deeper than 64 levels") as exc:
+        frames.check_properties(props(deep))
+    assert (exc.value.class_id, exc.value.method_id) == frames.BASIC_PUBLISH
 
 
 # -- finding frames in a byte stream -----------------------------------------------------------------------
@@ -278,3 +307,113 @@ def test_an_oversized_frame_is_refused_as_soon_as_its_header_arrives():
     assert frames.next_frame(struct.pack(">BHI", 3, 1, 4096), 0, 4096, slack_bytes=8) is None
     with pytest.raises(FrameError):
         frames.next_frame(struct.pack(">BHI", 3, 1, 4097), 0, 4096, slack_bytes=8)
+
+
+# -- field tables ------------------------------------------------------------------------------------------------
+
+def table_bytes(entries: bytes) -> bytes:
+    return struct.pack(">I", len(entries)) + entries
+
+
+def nested(depth: int, kind: bytes = b"F") -> bytes:
+    """Entries of a table holding ``depth`` levels in all: {"a": {"a": ... 1}} or {"a": [[...]]}."""
+    if kind == b"F":
+        inner = b"\x01aI\x00\x00\x00\x01"
+        for _ in range(depth - 1):
+            inner = b"\x01aF" + table_bytes(inner)
+        return inner
+    inner = b""
+    for _ in range(depth - 2):
+        inner = b"A" + table_bytes(inner)
+    return b"\x01aA" + table_bytes(inner)
+
+
+@pytest.mark.parametrize("kind", [b"F", b"A"])
+def test_nesting_is_refused_past_the_limit_however_deep_without_recursion(kind):
+    ok = nested(fields.FIELD_NESTING_MAX, kind)
+    value, depth = fields.decode_table(ok, 0, len(ok)), 0
+    while isinstance(value, (dict, list)) and value:
+        value, depth = (value["a"] if isinstance(value, dict) else value[0]), depth + 1
+    assert depth == fields.FIELD_NESTING_MAX - (kind == b"A")
+    for depth in (fields.FIELD_NESTING_MAX + 1, 20_000):
+        deep = nested(depth, kind)
+        with pytest.raises(FrameError, match=f"FRAME_ERROR - field table nested deeper than "
+                                             f"{fields.FIELD_NESTING_MAX} levels"):
+            fields.decode_table(deep, 0, len(deep))
+        with pytest.raises(FrameError, match="nested deeper"):
+            fields.check_table(deep, 0, len(deep))
+
+
+def test_a_wide_table_decodes_in_linear_time():
+    entries = b"".join(b"\x04k%03dt\x01" % (i % 1000) for i in range(20_000)) + b"\x01zS" + table_bytes(b"x" * 50_000)[:4]
+    entries += b"x" * 50_000
+    started = time.perf_counter()
+    table = fields.decode_table(entries, 0, len(entries))
+    assert len(table) == 1001 and table["z"] == "x" * 50_000
+    assert time.perf_counter() - started < 2, "pamqp's decoder copies the rest of the buffer for every entry"
+
+
+TABLE_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2 ** 63, 2 ** 63 - 1), st.text(max_size=20),
+              st.floats(width=32, allow_nan=False), st.datetimes(min_value=datetime.datetime(1970, 1, 1),
+                                                       max_value=datetime.datetime(2100, 1, 1)).map(
+                  lambda d: d.replace(microsecond=0, tzinfo=UTC))),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(table=st.dictionaries(st.text(max_size=10), TABLE_VALUES, max_size=6))
+def test_tables_pamqp_encodes_decode_to_what_pamqp_decodes(table):
+    from pamqp import decode as pamqp_decode, encode as pamqp_encode
+    data = pamqp_encode.field_table(table)
+    assert fields.decode_table(data, 4, len(data)) == pamqp_decode.field_table(data)[1]
+
+
+@settings(max_examples=500, deadline=None, derandomize=True)
+@given(data=st.binary(max_size=200), cut=st.integers(0, 200))
+def test_no_bytes_make_a_decoder_raise_anything_but_a_frame_error(data, cut):
+    for decode in (fields.decode_table, fields.check_table):
+        try:
+            decode(data, min(cut, len(data)), len(data))
+        except FrameError:
+            pass
+    for class_id, method_id in ((10, 11), (50, 10), (40, 10), (60, 20), (20, 40), (10, 40), (60, 40)):
+        p = struct.pack(">HH", class_id, method_id) + data
+        try:
+            frames.decode_method(p, 0, len(p))
+        except AmqpError:
+            pass
+    try:
+        frames.check_properties(data)
+    except FrameError:
+        pass
+
+
+def test_every_truncation_of_a_real_start_ok_is_a_frame_error():
+    p = payload(frames.encode_method(0, commands.Connection.StartOk(
+        client_properties={"product": "x", "capabilities": {"a": True, "b": [1, 2, {"c": None}]}},
+        mechanism="PLAIN", response="\0guest\0guest", locale="en_US")))
+    for cut in range(4, len(p)):
+        with pytest.raises(FrameError, match="cannot decode <<") as exc:
+            frames.decode_method(p, 0, cut)
+        assert (exc.value.class_id, exc.value.method_id) == (10, 11)
+
+
+def test_binaries_in_reply_texts_read_as_erlang_prints_them():
+    assert erlang_binary(b"xx") == '<<"xx">>'
+    assert erlang_binary(b'a"b\\\n') == '<<"a\\"b\\\\\\n">>'
+    assert erlang_binary(b"\x00\x32") == "<<0,50>>"
+    assert erlang_binary(b"") == "<<>>"
+    assert erlang_binary(b"xx", text=False) == "<<120,120>>"
+    assert frames.octets(b"x" * 20, 0, 20) == 'first 16 octets = <<"xxxxxxxxxxxxxxxx">>'
+
+
+def test_a_long_reply_text_is_cut_as_rabbitmq_cuts_it():
+    p = struct.pack(">HHH", 50, 10, 0) + b"\xc8" + b"a" * 150         # a queue name cut short
+    with pytest.raises(FrameError) as exc:
+        frames.decode_method(p, 0, len(p))
+    # what RabbitMQ 3.10 sent for these very bytes
+    assert clip_reply_text(exc.value.reply_text) == "FRAME_ERROR - cannot decode <<0,0,200," + "97," * 71 + "9..."
+    assert clip_reply_text("é" * 200).endswith("...") and len(clip_reply_text("é" * 200).encode()) <= 255
+

@@ -36,10 +36,17 @@ are taken in one step without building the assembly.
 
 Errors: a connection error queues connection.close and returns
 ``ProtocolError``; after a framing error (bad frame end, oversized frame) the
-stream is out of sync and nothing more is parsed. A channel error (message
-over ``max_message_bytes``) queues channel.close, returns ``ChannelError``,
-and the connection carries on. ``pipeline.amqp.errors`` lists which reply code
-RabbitMQ uses for which input.
+stream is out of sync and nothing more is parsed. Before tune-ok the client
+is not trusted and nothing is queued: the connection is just dropped, as
+RabbitMQ drops it (a refused login and a refused tune-ok are the exceptions).
+A channel error (message over ``max_message_bytes``) queues channel.close,
+returns ``ChannelError``, and the connection carries on. No input makes
+``next_event`` raise: a fault of our own while parsing ends this connection
+with 541 INTERNAL_ERROR. Input is bounded too: 4096-byte frames until
+tune-ok, frame_max after it, tables nested at most ``fields.FIELD_NESTING_MAX``
+deep and decoded without recursion, and once the connection is closing at
+most ``CLOSING_BUFFER_MAX_BYTES`` kept unparsed. ``pipeline.amqp.errors``
+lists which reply code RabbitMQ uses for which input.
 """
 
 from __future__ import annotations
@@ -50,10 +57,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import NamedTuple, Union
 
-from pamqp import commands, decode as pamqp_decode
+from pamqp import commands
 
 from pipeline.amqp import errors as E
-from pipeline.amqp import frames
+from pipeline.amqp import fields, frames
 from pipeline.amqp.errors import (AmqpError, ChannelLevelError, ConnectionLevelError, FrameError, UsageError,
                                   reply_text)
 
@@ -66,6 +73,7 @@ CHANNEL_MAX_NO_LIMIT = 65535
 FRAME_SIZE_SLACK_BYTES = 8          # RabbitMQ accepts frames up to 8 bytes over frame_max - 8
 HEARTBEAT_MISSES_ALLOWED = 2        # a client silent for more than 2 intervals has timed out
 NS_PER_S = 1_000_000_000
+CLOSING_BUFFER_MAX_BYTES = 1024 * 1024  # unparsed input kept while waiting for the client's close-ok
 
 # -- events ------------------------------------------------------------------------------------
 
@@ -157,7 +165,8 @@ class Closed:
 
 @dataclass(frozen=True, slots=True)
 class ProtocolError:
-    """Bad input: connection.close with this code is queued (for a bad protocol header, our header)."""
+    """Bad input: connection.close with this code is queued (for a bad protocol header, our header;
+    before tune-ok nothing, the connection is dropped)."""
     reply_code: int
     reply_text: str
 
@@ -203,6 +212,9 @@ _TRANSITIONS: dict[tuple[str, str], str] = {
 _EXPECTED = {"starting": frames.CONNECTION_START_OK, "tuning": frames.CONNECTION_TUNE_OK,
              "opening": frames.CONNECTION_OPEN}
 _RABBIT_STATE_NAMES = {"open": "running"}
+# before tune-ok a bad client is dropped without a word (RabbitMQ's handshake_error); only a refused
+# login (to a client with authentication_failure_close) and a refused tune-ok are told why
+_UNTRUSTED = frozenset({"starting", "tuning"})
 
 CH_OPENING, CH_OPEN, CH_CLIENT_CLOSING, CH_SERVER_CLOSING = "opening", "open", "client_closing", "server_closing"
 _CHANNEL_TRANSITIONS: dict[tuple[str | None, str], str | None] = {
@@ -225,6 +237,7 @@ _PUBLISH = _k(frames.BASIC_PUBLISH)
 _CHANNEL_OPEN = _k(frames.CHANNEL_OPEN)
 _CHANNEL_CLOSE = _k(frames.CHANNEL_CLOSE)
 _CHANNEL_CLOSE_OK = _k(frames.CHANNEL_CLOSE_OK)
+_CHANNEL_FLOW = _k(frames.CHANNEL_FLOW)
 _CONNECTION_CLOSE = _k(frames.CONNECTION_CLOSE)
 _CONNECTION_CLOSE_OK = _k(frames.CONNECTION_CLOSE_OK)
 # what a client may send on an open channel besides publish/open/close: forwarded as Method events
@@ -272,10 +285,7 @@ def _unknown_frame(ftype: int, buf, ps: int, pe: int) -> FrameError:
                                                                "unknown_frame"))
 
 
-def _clip(text: str) -> str:
-    """``text`` cut to fit a shortstr (255 UTF-8 bytes) without splitting a character."""
-    raw = text.encode("utf-8")
-    return text if len(raw) <= 255 else raw[:255].decode("utf-8", "ignore")
+_clip = E.clip_reply_text
 
 
 class ServerConnection:
@@ -339,6 +349,16 @@ class ServerConnection:
             return
         self.bytes_in += len(data)
         self._fresh_bytes = True
+        if self.state == "closed" or self._desynced:
+            return                              # nothing after this point will ever be parsed
+        if self.state == "closing" and self.buffered_bytes() + len(data) > CLOSING_BUFFER_MAX_BYTES:
+            # we sent connection.close and the peer keeps sending: stop looking for its close-ok,
+            # keep nothing more, and let the reader end on EOF or its close timeout
+            self._desynced = True
+            self._buf, self._pos = b"", 0
+            self._chunks.clear()
+            self._chunk_bytes = 0
+            return
         self._chunks.append(data)
         self._chunk_bytes += len(data)
         if len(self._buf) - self._pos + self._chunk_bytes >= self._need_bytes:
@@ -400,7 +420,22 @@ class ServerConnection:
 
     # -- parsing ---------------------------------------------------------------------------------
     def next_event(self, now_ns: int) -> Event | None:
-        """Parse until one event is complete and return it; None means more bytes are needed."""
+        """Parse until one event is complete and return it; None means more bytes are needed.
+
+        No input makes this raise: whatever the bytes, the answer is an event
+        (at worst a ``ProtocolError``: 541 INTERNAL_ERROR, as RabbitMQ closes
+        a connection whose channel process crashed, should parsing itself
+        fail), and only this connection ends.
+        """
+        try:
+            return self._next_event(now_ns)
+        except Exception as exc:              # a fault of ours that odd input reached
+            self._desynced = True
+            self._chunks.clear()
+            return self._hard(ConnectionLevelError(E.INTERNAL_ERROR, _clip(reply_text(
+                E.INTERNAL_ERROR, f"{type(exc).__name__} while parsing: {exc}"))))
+
+    def _next_event(self, now_ns: int) -> Event | None:
         if self._fresh_bytes:
             self._fresh_bytes = False
             self._last_in_ns = now_ns
@@ -483,10 +518,17 @@ class ServerConnection:
         return Closed(reason)
 
     def _hard(self, err: AmqpError) -> ProtocolError | None:
-        """Queue connection.close for ``err`` (unless already closing) and report it."""
+        """Queue connection.close for ``err`` (unless already closing) and report it.
+
+        Before tune-ok nothing is queued: the connection is dropped, as
+        RabbitMQ drops a client it does not trust yet (``_UNTRUSTED``).
+        """
         if self.state in ("closing", "closed"):
             return None
-        self.close(err.reply_code, err.reply_text, err.class_id, err.method_id)
+        if self.state in _UNTRUSTED:
+            self._drop("")
+        else:
+            self.close(err.reply_code, err.reply_text, err.class_id, err.method_id)
         return ProtocolError(err.reply_code, err.reply_text)
 
     def _channel_error(self, channel: int, err: AmqpError) -> ChannelError:
@@ -551,8 +593,7 @@ class ServerConnection:
         if key == frames.CONNECTION_START_OK:
             return self._start_ok(method)
         if key == frames.CONNECTION_TUNE_OK:
-            self._tune_ok(method)
-            return None
+            return self._tune_ok(method)
         return self._open(method)
 
     def _send_start(self) -> None:
@@ -593,15 +634,21 @@ class ServerConnection:
             self._advance("drop")
         return ProtocolError(E.ACCESS_REFUSED, text)
 
-    def _tune_ok(self, method) -> None:
-        frame_max = _negotiated("frame_max", method.frame_max, self.server_frame_max, frames.FRAME_MIN_SIZE)
-        channel_max = _negotiated("channel_max", method.channel_max, self.server_channel_max, 1)
+    def _tune_ok(self, method) -> ProtocolError | None:
+        try:
+            frame_max = _negotiated("frame_max", method.frame_max, self.server_frame_max, frames.FRAME_MIN_SIZE)
+            channel_max = _negotiated("channel_max", method.channel_max, self.server_channel_max, 1)
+        except ConnectionLevelError as err:
+            # RabbitMQ tells a client why its tune-ok was refused, though it is not trusted yet
+            self.close(err.reply_code, err.reply_text, err.class_id, err.method_id)
+            return ProtocolError(err.reply_code, err.reply_text)
         self.frame_max = frame_max
         self._payload_max = (frame_max - frames.FRAME_OVERHEAD_BYTES + FRAME_SIZE_SLACK_BYTES if frame_max
                              else 0xFFFFFFFF)
         self.channel_max = channel_max or CHANNEL_MAX_NO_LIMIT
         self.heartbeat_s = method.heartbeat
         self._advance("tune_ok")
+        return None
 
     def _open(self, method) -> Opened:
         vhost = method.virtual_host
@@ -652,11 +699,11 @@ class ServerConnection:
         if k == _CHANNEL_OPEN:
             raise ConnectionLevelError(E.CHANNEL_ERROR, reply_text(E.CHANNEL_ERROR, "second 'channel.open' seen"),
                                        *key)
-        if k == _CHANNEL_CLOSE_OK:
-            return None                 # nothing of ours to acknowledge
-        if k not in _CLIENT_CHANNEL_METHODS:
+        if k not in _CLIENT_CHANNEL_METHODS:     # a server's method, or a close-ok for no close of ours
             raise ConnectionLevelError(E.COMMAND_INVALID, reply_text(E.COMMAND_INVALID, "unimplemented method"),
                                        *key)
+        if k == _CHANNEL_FLOW and not method.active:
+            raise ConnectionLevelError(E.NOT_IMPLEMENTED, reply_text(E.NOT_IMPLEMENTED, "active=false"), *key)
         self.methods += 1
         return Method(channel, key[0], key[1], bytes(buf[ps:pe]), method)
 
@@ -727,7 +774,7 @@ class ServerConnection:
     def _content_state(self, channel: int) -> _Assembly | None:
         """The assembly a content frame on ``channel`` belongs to; None if the frame is to be dropped."""
         state = self._channels.get(channel)
-        if state in (CH_CLIENT_CLOSING, CH_SERVER_CLOSING):
+        if state == CH_SERVER_CLOSING:
             return None
         if state is None and channel > self.channel_max:
             raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(
@@ -752,10 +799,6 @@ class ServerConnection:
         if cls != 60:
             raise _unexpected(f"expected content header for class 60, got one for class {cls} instead",
                               frames.BASIC_PUBLISH)
-        if size > frames.MAX_MESSAGE_BYTES_LIMIT:
-            raise FrameError(E.FRAME_ERROR, reply_text(E.FRAME_ERROR, f"content body size {size} exceeds maximum "
-                                                                      f"allowed size {frames.MAX_MESSAGE_BYTES_LIMIT}"),
-                             *frames.BASIC_PUBLISH)
         asm.props_raw = bytes(buf[ps + 12:pe])
         asm.delivery_mode = frames.check_properties(asm.props_raw)
         asm.size = size
@@ -926,11 +969,11 @@ def _credentials(mechanism: str, response) -> tuple[str, str]:
                 return parts[1].decode("utf-8"), parts[2].decode("utf-8")
             except UnicodeDecodeError:
                 pass
-        explanation = f"response {frames.octets(raw, 0, len(raw))} invalid"
+        explanation = f"response {E.erlang_binary(raw)} invalid"
     else:
         try:
-            _, table = pamqp_decode.field_table(len(raw).to_bytes(4, "big") + raw)
-        except ValueError:
+            table = fields.decode_table(raw, 0, len(raw))
+        except FrameError:
             table = {}
         user, password = table.get("LOGIN"), table.get("PASSWORD")
         if isinstance(user, str) and isinstance(password, str):

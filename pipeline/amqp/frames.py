@@ -53,12 +53,12 @@ import struct
 from enum import IntEnum
 
 from pamqp import commands
-from pamqp import exceptions as pamqp_exceptions
 from pamqp import frame as pamqp_frame
 from pamqp import header as pamqp_header
 
+from pipeline.amqp import fields
 from pipeline.amqp.errors import (FRAME_ERROR, NOT_IMPLEMENTED, AmqpError, ConnectionLevelError,
-                                  FrameError)
+                                  FrameError, erlang_binary)
 
 __all__ = [
     "PROTOCOL_HEADER", "FRAME_END", "FRAME_OVERHEAD_BYTES", "FRAME_MIN_SIZE", "FRAME_HEADER_BYTES",
@@ -138,7 +138,6 @@ TX_SELECT = (90, 10)
 TX_COMMIT = (90, 20)
 TX_ROLLBACK = (90, 30)
 
-MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024   # RabbitMQ's hard cap on a declared body size
 
 # struct layouts; the public ones are also used by the connection's whole-publish fast path
 FRAME_HEAD = struct.Struct(">BHI")                  # type, channel, payload size
@@ -208,10 +207,9 @@ def count_frames(data) -> int:
 
 
 def octets(buf, start: int, end: int) -> str:
-    """The first 16 payload octets written the way RabbitMQ logs them (``all octets = <<1,2>>``)."""
-    shown = bytes(buf[start:min(end, start + 16)])
+    """The first 16 payload octets the way RabbitMQ's frame errors show them (``all octets = <<"xx">>``)."""
     which = "all" if end - start <= 16 else "first 16"
-    return f"{which} octets = <<{','.join(map(str, shown))}>>"
+    return f"{which} octets = {erlang_binary(buf[start:min(end, start + 16)])}"
 
 
 def encode_heartbeat() -> bytes:
@@ -255,8 +253,10 @@ def _layout(flags: int) -> tuple[int, ...]:
 def check_properties(props_raw) -> int | None:
     """Check that the present properties fill ``props_raw`` exactly; return the delivery mode (or None).
 
-    Table contents are not parsed, only their lengths. Raises ``FrameError``
-    (501) for a property list that is truncated or has bytes left over.
+    The headers table is walked (``fields.check_table``: known types, lengths
+    that add up, nesting within ``fields.FIELD_NESTING_MAX``) but not built.
+    Raises ``FrameError`` (501) for a property list that is truncated, has
+    bytes left over, or holds a malformed headers table.
     """
     size = len(props_raw)
     if size == 2 and props_raw[0] == 0 and props_raw[1] == 0:
@@ -271,7 +271,10 @@ def check_properties(props_raw) -> int | None:
             if kind == _SHORTSTR:
                 o += 1 + props_raw[o]
             elif kind == _TABLE:
-                o += 4 + _U32.unpack_from(props_raw, o)[0]
+                start = o + 4
+                o = start + _U32.unpack_from(props_raw, o)[0]
+                if o <= size:
+                    fields.check_table(props_raw, start, o)
             elif kind == _DELIVERY_MODE:
                 mode = props_raw[o]
                 o += 1
@@ -279,9 +282,12 @@ def check_properties(props_raw) -> int | None:
                 o += kind
     except (IndexError, struct.error):
         o = size + 1
+    except FrameError as err:               # from the headers table
+        err.class_id, err.method_id = BASIC_PUBLISH
+        raise
     if o != size:
-        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - cannot decode content properties: "
-                                      f"{octets(props_raw, 0, size)}", *BASIC_PUBLISH)
+        raise FrameError(FRAME_ERROR, f"FRAME_ERROR - cannot decode content properties "
+                                      f"{erlang_binary(props_raw, text=False)}", *BASIC_PUBLISH)
     return mode
 
 
@@ -334,8 +340,8 @@ def _sstr(s) -> bytes:
     return encoded
 
 
-def _cannot_decode(name: str, key: tuple[int, int], buf, start: int, end: int) -> FrameError:
-    return FrameError(FRAME_ERROR, f"FRAME_ERROR - cannot decode {name}: {octets(buf, start, end)}", *key)
+def _cannot_decode(key: tuple[int, int], buf, start: int, end: int) -> FrameError:
+    return fields.cannot_decode(buf[start:end], *key)
 
 
 def encode_publish(channel: int, exchange, routing_key, props_raw, body, frame_max: int,
@@ -363,7 +369,7 @@ def decode_publish_raw(buf, payload_start: int, payload_end: int | None = None) 
         r = -2
     if payload_end is not None and r + 1 != payload_end or r < 0:
         end = len(buf) if payload_end is None else payload_end
-        raise _cannot_decode("basic.publish", BASIC_PUBLISH, buf, payload_start + 4, end)
+        raise _cannot_decode(BASIC_PUBLISH, buf, payload_start + 4, end)
     return exchange, routing_key, bits
 
 
@@ -373,7 +379,7 @@ def decode_publish(buf, payload_start: int, payload_end: int) -> tuple[str, str,
     try:
         return exchange.decode("utf-8"), routing_key.decode("utf-8"), bool(bits & 1)
     except UnicodeDecodeError:
-        raise _cannot_decode("basic.publish", BASIC_PUBLISH, buf, payload_start + 4, payload_end) from None
+        raise _cannot_decode(BASIC_PUBLISH, buf, payload_start + 4, payload_end) from None
 
 
 def encode_deliver(channel: int, consumer_tag, delivery_tag: int, redelivered: bool, exchange, routing_key,
@@ -401,7 +407,7 @@ def decode_deliver(buf, payload_start: int, payload_end: int) -> tuple[str, int,
     except (IndexError, struct.error, UnicodeDecodeError):
         r = -1
     if r != payload_end:
-        raise _cannot_decode("basic.deliver", BASIC_DELIVER, buf, payload_start + 4, payload_end)
+        raise _cannot_decode(BASIC_DELIVER, buf, payload_start + 4, payload_end)
     return consumer_tag, tag, bool(bits & 1), exchange, routing_key
 
 
@@ -412,39 +418,12 @@ def encode_basic_ack(channel: int, delivery_tag: int, multiple: bool = False) ->
 def decode_basic_ack(buf, payload_start: int, payload_end: int) -> tuple[int, bool]:
     """``(delivery_tag, multiple)`` of a basic.ack payload."""
     if payload_end - payload_start != 13:
-        raise _cannot_decode("basic.ack", BASIC_ACK, buf, payload_start + 4, payload_end)
+        raise _cannot_decode(BASIC_ACK, buf, payload_start + 4, payload_end)
     tag, bits = _TAG_BITS.unpack_from(buf, payload_start + 4)
     return tag, bool(bits & 1)
 
 
-# -- every other method, through pamqp -----------------------------------------------------------
-
-_FIXED_BYTES = {"octet": 1, "short": 2, "long": 4, "longlong": 8, "timestamp": 8}
-_ARGUMENT_KINDS: dict[int, tuple[str, ...]] = {}
-
-
-def _arguments_end(cls, index: int, data, o: int) -> int:
-    """Where the arguments of method ``cls`` starting at ``o`` end (bits packed 8 to an octet)."""
-    kinds = _ARGUMENT_KINDS.get(index)
-    if kinds is None:
-        kinds = _ARGUMENT_KINDS[index] = tuple(cls.amqp_type(name) for name in cls.__slots__)
-    bits = 0
-    for kind in kinds:
-        if kind == "bit":
-            if bits in (0, 8):
-                o += 1
-                bits = 0
-            bits += 1
-            continue
-        bits = 0
-        if kind == "shortstr":
-            o += 1 + data[o]
-        elif kind in ("longstr", "table"):
-            o += 4 + _U32.unpack_from(data, o)[0]
-        else:
-            o += _FIXED_BYTES[kind]
-    return o
-
+# -- every other method -----------------------------------------------------------------------------
 
 def method_name(key: tuple[int, int]) -> str:
     """``'basic.publish'`` style name of a (class_id, method_id), or ``'unknown 60/99'``."""
@@ -466,11 +445,12 @@ def encode_method(channel: int, method) -> bytes:
 
 
 def decode_method(buf, payload_start: int, payload_end: int):
-    """The pamqp method object of a method frame payload.
+    """The pamqp method object of a method frame payload (arguments read by ``fields``, never recursively).
 
     Unknown class/method ids raise ``ConnectionLevelError`` (540
     NOT_IMPLEMENTED); arguments that are truncated, have bytes left over or do
-    not decode raise ``FrameError`` (501 "cannot decode"), as RabbitMQ does.
+    not decode raise ``FrameError`` (501 "cannot decode <<...>>", or
+    "Malformed UTF-8 in shortstr"), as RabbitMQ does.
     """
     if payload_end - payload_start < 4:
         raise FrameError(FRAME_ERROR, f"FRAME_ERROR - type 1, {octets(buf, payload_start, payload_end)}: "
@@ -484,15 +464,7 @@ def decode_method(buf, payload_start: int, payload_end: int):
     if cls is None:
         raise ConnectionLevelError(NOT_IMPLEMENTED, f"NOT_IMPLEMENTED - unknown method {class_id}/{mid}",
                                    class_id, mid)
-    data = bytes(buf[payload_start + 4:payload_end])
-    try:
-        if _arguments_end(cls, index, data, 0) != len(data):
-            raise ValueError("argument lengths do not add up to the payload")
-        method = cls()
-        method.unmarshal(data)
-    except (pamqp_exceptions.UnmarshalingException, ValueError, IndexError, TypeError, struct.error):
-        raise _cannot_decode(_dotted(cls.name), (class_id, mid), buf, payload_start + 4, payload_end) from None
-    return method
+    return fields.decode_arguments(cls, bytes(buf[payload_start + 4:payload_end]), class_id, mid)
 
 
 def _fast_ack(buf, ps, pe):
@@ -502,14 +474,14 @@ def _fast_ack(buf, ps, pe):
 
 def _fast_nack(buf, ps, pe):
     if pe - ps != 13:
-        raise _cannot_decode("basic.nack", BASIC_NACK, buf, ps + 4, pe)
+        raise _cannot_decode(BASIC_NACK, buf, ps + 4, pe)
     tag, bits = _TAG_BITS.unpack_from(buf, ps + 4)
     return commands.Basic.Nack(tag, bool(bits & 1), bool(bits & 2))
 
 
 def _fast_reject(buf, ps, pe):
     if pe - ps != 13:
-        raise _cannot_decode("basic.reject", BASIC_REJECT, buf, ps + 4, pe)
+        raise _cannot_decode(BASIC_REJECT, buf, ps + 4, pe)
     tag, bits = _TAG_BITS.unpack_from(buf, ps + 4)
     return commands.Basic.Reject(tag, bool(bits & 1))
 
