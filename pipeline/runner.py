@@ -138,11 +138,14 @@ def broker_view(status: dict) -> BrokerView:
     return BrokerView(queues)
 
 
-def drain_summary(drain) -> dict:
-    """``summary.json``'s ``drain``: why and when it ended, each queue's depth then (None if unknown)."""
+def drain_summary(result) -> dict:
+    """``summary.json``'s ``drain``: why and when it ended, each queue's depth then (None if unknown),
+    and how each publisher's connection ended."""
+    drain = result.drain
     return {"end": drain.why, "seconds": drain.seconds,
             "queues": None if drain.queues is None else
-            {q: {"messages": d.messages, "unacked": d.unacked} for q, d in drain.queues.items()}}
+            {q: {"messages": d.messages, "unacked": d.unacked} for q, d in drain.queues.items()},
+            "publishers": dict(result.connections)}
 
 
 def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
@@ -169,7 +172,7 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
         "published": result.published, "confirmed": result.confirmed, "nacked": result.nacked,
         "returned": result.returned, "delivered": result.delivered, "undelivered": result.undelivered,
         "lost": result.lost, "rejected": result.rejected, "rejections": result.rejections,
-        "drain": drain_summary(result.drain), "errors": list(result.errors),
+        "drain": drain_summary(result), "errors": list(result.errors),
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
         "deaths": status.get("deaths", []), "wall_seconds": round(wall_s, 3), "config": config,
@@ -265,7 +268,9 @@ def outcome_lines(summary: dict) -> list[str]:
     lines = []
     drain = summary["drain"]
     if drain["seconds"] or drain["end"] != "delivered":
-        lines.append(f"drain: ended after {drain['seconds']:.1f} s ({drain['end']}); {depths_text(drain['queues'])}")
+        open_ = sorted(name for name, how in drain["publishers"].items() if how == "open")
+        lines.append(f"drain: ended after {drain['seconds']:.1f} s ({drain['end']}); {depths_text(drain['queues'])}"
+                     + (f"; {', '.join(open_)} still sending (close not answered)" if open_ else ""))
     for reason, n in sorted(summary["rejections"].items()):
         lines.append(f"rejected {n}: {reason}")
     for error in summary["errors"]:

@@ -130,6 +130,7 @@ def test_a_bottleneck_still_draining_when_time_runs_out_is_undelivered_not_lost(
     r = drained(b, DRAIN_TIME, q=(0, 0))
     assert (r.delivered, r.undelivered, r.lost, r.rejected) == (98_624, 112_384 - 98_624, 0, 0)
     assert r.drain.queues == {"q": QueueDepth(0, 0)}
+    assert r.connections == {"publisher-0": "open"}
 
 
 def test_copies_still_in_the_queue_when_time_runs_out_are_undelivered():

@@ -121,7 +121,9 @@ def test_a_planted_channel_bottleneck_leaves_messages_undelivered_not_lost(tmp_p
     last = out.strip().splitlines()[-1]
     assert last.startswith(f"published {s['published']}, delivered {s['delivered']}, "
                            f"undelivered {s['undelivered']}, lost 0, rejected 0;"), out
+    assert s["drain"]["publishers"] == {"publisher-0": "open", "publisher-1": "open"}   # sockets still full
     assert "drain: ended after" in out and "(time); creditflow-perf " in out
+    assert "publisher-0, publisher-1 still sending (close not answered)" in out
 
 
 def test_a_planted_queue_bottleneck_with_small_credit_leaves_messages_undelivered_not_lost(tmp_path):
@@ -140,6 +142,7 @@ def test_the_drain_empties_a_backlog_left_at_the_end_of_the_window(tmp_path):
     assert s["published"] == 6000
     assert s["delivered"] == 6000 and (s["undelivered"], s["lost"], s["rejected"]) == (0, 0, 0)
     assert s["drain"]["end"] == "delivered" and s["drain"]["seconds"] > 0.5      # 6000 take 3 s at 2000 msg/s
+    assert s["drain"]["publishers"] == {"publisher-0": "closed"}
 
 
 def test_without_consumers_nothing_is_expected_and_nothing_lost(tmp_path):

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from pipeline.amqp.errors import AmqpError
 from pipeline.loadgen import LoadgenError, accounting, latency
-from pipeline.loadgen.accounting import BrokerView, DrainEnd
+from pipeline.loadgen.accounting import DrainEnd
 from pipeline.loadgen.client import ClientError
 from pipeline.loadgen.config import LoadConfig
 from pipeline.loadgen.consumer import Consumer
@@ -98,6 +98,7 @@ class LoadResult:
     rejected: int = 0             # publishes the broker refused
     rejections: dict = field(default_factory=dict)   # reason -> publishes
     drain: DrainEnd | None = None
+    connections: dict = field(default_factory=dict)  # publisher -> how its connection ended (accounting.CLOSED, ...)
 
 
 # -- the pure part ---------------------------------------------------------------------------
@@ -276,7 +277,8 @@ class ReportBook:
             latency_us=lat, histograms=hists, seconds=tuple(seconds),
             blocked_events={w: tuple(e) for w, e in self.events.items()}, errors=tuple(self.errors),
             cpu_s=dict(self.cpu_s), undelivered=accounts.undelivered, rejected=accounts.rejected,
-            rejections=accounts.rejections, drain=drain)
+            rejections=accounts.rejections, drain=drain,
+            connections={w: st.get("connection", accounting.OPEN) for w, st in self.stats("publisher").items()})
 
 
 # -- processes -------------------------------------------------------------------------------
