@@ -160,7 +160,7 @@ def build_parser() -> Parser:
     run.add_argument("-q", "--qos", type=nonneg_int, default=0, help="consumer prefetch (0 = unlimited)")
     run.add_argument("-a", "--autoack", action="store_true", help="consumers use no-ack")
     run.add_argument("-z", "--time", type=pos_int, default=10, help="seconds to publish")
-    run.add_argument("--drain-s", type=nonneg_seconds, default=30.0,
+    run.add_argument("--drain-s", type=nonneg_seconds, default=30.0, metavar="SECONDS",
                      help="after -z, at most this many seconds for consumers to empty the queues (default 30)")
     run.add_argument("-u", "--queue", default="creditflow-perf", help="queue name")
     run.add_argument("-L", "--consumer-latency", type=nonneg_int, default=0, help="µs each consumer spends per message")
