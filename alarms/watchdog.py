@@ -96,14 +96,17 @@ class WatchdogCore:
     """Memory and disk monitors, sans-IO: readings and time in, :class:`AlarmEvent` values out."""
 
     def __init__(self, *, memory_limit: MemoryLimit, disk_limit: DiskLimit, total_memory_bytes: int, node: str,
-                 memory_interval_ms: int = MEMORY_POLL_INTERVAL_MS, now_ns: int = 0):
+                 memory_interval_ms: int = MEMORY_POLL_INTERVAL_MS, now_ns: int = 0,
+                 alarmed: frozenset[str] = frozenset()):
+        """``alarmed``: the alarm sources already set when this core starts (a restarted watchdog
+        takes them over, so its first fresh reading clears them if they no longer hold)."""
         self.node = node
         self.total_memory = total_memory_bytes
         self.memory_limit = memory_limit
         self.disk_limit = disk_limit
         self.memory_interval_ms = memory_interval_ms
-        self.memory = Watermark("memory")
-        self.disk = Watermark("disk")
+        self.memory = Watermark("memory", "memory" in alarmed)
+        self.disk = Watermark("disk", "disk" in alarmed)
         self.memory_used: int | None = None
         self.disk_free: int | None = None
         self.disk_interval_ms = disk_interval_ms(None, 0, False)
@@ -359,14 +362,15 @@ class _Loop:
 def watchdog_main(ctl_sock, *, data_dir: str, node: str, supervisor_pid: int,
                   memory_limit: MemoryLimit | str | float = DEFAULT_MEMORY_WATERMARK,
                   disk_limit: DiskLimit | str | int = DEFAULT_DISK_FREE_LIMIT_BYTES, strategy: str = "rss",
-                  memory_interval_ms: int = MEMORY_POLL_INTERVAL_MS, clock=time.monotonic_ns) -> int:
+                  memory_interval_ms: int = MEMORY_POLL_INTERVAL_MS, clock=time.monotonic_ns,
+                  alarmed: frozenset[str] = frozenset()) -> int:
     """Run the watchdog process until asked to stop or its supervisor goes away; returns the exit code."""
     mem_limit, warnings = ((memory_limit, []) if isinstance(memory_limit, MemoryLimit)
                            else parse_memory_watermark(memory_limit))
     dsk_limit = disk_limit if isinstance(disk_limit, DiskLimit) else parse_disk_free_limit(disk_limit)
     now = clock()
     core = WatchdogCore(memory_limit=mem_limit, disk_limit=dsk_limit, total_memory_bytes=probes.total_memory_bytes(),
-                        node=node, memory_interval_ms=memory_interval_ms, now_ns=now)
+                        node=node, memory_interval_ms=memory_interval_ms, now_ns=now, alarmed=frozenset(alarmed))
     readings = _Readings(strategy, supervisor_pid, data_dir)
     free, why = readings.disk()
     first = [AlarmEvent("log", "memory", node, "warning", [w], now) for w in warnings]

@@ -60,11 +60,12 @@ class WatermarkStatistics:
 class Watermark:
     """One alarm source; reports a change of its condition, never a repeat."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, alarmed: bool = False):
+        """``alarmed``: the state it starts from (a restarted monitor takes over a set alarm)."""
         if source not in SOURCES:
             raise UnknownSource(f"unknown alarm source {source!r} (use one of {', '.join(SOURCES)})")
         self.source = source
-        self.alarmed = False
+        self.alarmed = bool(alarmed)
         self.sets = 0
         self.clears = 0
 

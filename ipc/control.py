@@ -13,11 +13,18 @@ crosses the boundary.
 The receiver owns the descriptors it gets: they arrive close-on-exec, and
 when a message turns out corrupt, the ones it carried are closed before
 ``CorruptRecord`` is raised, so nothing leaks.
+
+``send_msg`` waits while the socket's buffer is full. A process that must
+never wait on a peer (the supervisor, which every stage talks to) keeps an
+``Outbox`` per peer instead: messages queue in order, ``flush_nowait`` sends
+what the socket takes, and the fds a queued message carries are duplicates
+the outbox owns, so a peer closing its own copies meanwhile changes nothing.
 """
 
 from __future__ import annotations
 
 import array
+import collections
 import json
 import math
 import os
@@ -48,13 +55,9 @@ def _wait(sock: socket.socket, events: int, timeout_s: float | None) -> bool:
     return bool(poller.poll(None if timeout_s is None else max(0, math.ceil(timeout_s * 1000))))
 
 
-def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
-    """Send one message (and ``fds``), waiting while the socket's buffer is full.
-
-    Values JSON cannot encode are sent as their ``str()``. Raises
-    ``MessageTooLarge``, ``PeerGone`` if the other end has closed, ``ClosedByUs``
-    if this end has.
-    """
+def encode_msg(msg: dict, fds: Sequence[int] = ()) -> bytes:
+    """The bytes of one message. Values JSON cannot encode are sent as their ``str()``.
+    Raises ``MessageTooLarge``."""
     if not isinstance(msg, dict):
         raise TypeError(f"a control message is a dict, not {type(msg).__name__}")
     data = json.dumps(msg, separators=(",", ":"), default=str).encode()
@@ -62,17 +65,82 @@ def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
         raise MessageTooLarge(f"control message of {len(data)} bytes exceeds {MAX_CONTROL_BYTES}")
     if len(fds) > MAX_FDS:
         raise MessageTooLarge(f"control message carries {len(fds)} fds, more than {MAX_FDS}")
+    return data
+
+
+def _send_nowait(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
+    if sock.fileno() < 0:
+        raise ClosedByUs("control socket used after close()")
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    try:
+        sock.sendmsg([data], ancillary, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        raise WouldBlock("the control socket's buffer is full") from None
+    except (BrokenPipeError, ConnectionResetError):
+        raise PeerGone("the other end of the control socket is gone") from None
+
+
+def send_msg(sock: socket.socket, msg: dict, fds: Sequence[int] = ()) -> None:
+    """Send one message (and ``fds``), waiting while the socket's buffer is full.
+
+    Raises ``MessageTooLarge``, ``PeerGone`` if the other end has closed,
+    ``ClosedByUs`` if this end has.
+    """
+    data = encode_msg(msg, fds)
     while True:
-        if sock.fileno() < 0:
-            raise ClosedByUs("control socket used after close()")
         try:
-            sock.sendmsg([data], ancillary, socket.MSG_NOSIGNAL)
+            _send_nowait(sock, data, fds)
             return
-        except BlockingIOError:
+        except WouldBlock:
             _wait(sock, select.POLLOUT, None)
-        except (BrokenPipeError, ConnectionResetError):
-            raise PeerGone("the other end of the control socket is gone") from None
+
+
+class Outbox:
+    """Messages to one peer, sent in order without ever waiting on it.
+
+    ``put`` encodes at once (so a bad message raises in the caller) and
+    duplicates the fds; ``flush_nowait`` sends what the socket takes and
+    returns True once nothing is left. After the peer is gone every queued
+    message is dropped (and its fds closed): there is nobody to tell.
+    """
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.queue: collections.deque[tuple[bytes, list[int]]] = collections.deque()
+        self.gone = False
+        self.sent = 0
+
+    def put(self, msg: dict, fds: Sequence[int] = ()) -> None:
+        data = encode_msg(msg, fds)
+        if self.gone:
+            return
+        self.queue.append((data, [os.dup(fd) for fd in fds]))
+        self.flush_nowait()
+
+    def flush_nowait(self) -> bool:
+        queue = self.queue
+        while queue:
+            data, fds = queue[0]
+            try:
+                _send_nowait(self.sock, data, fds)
+            except WouldBlock:
+                return False
+            except (PeerGone, ClosedByUs, OSError):
+                self.drop()
+                return True
+            queue.popleft()
+            _close_all(fds)
+            self.sent += 1
+        return True
+
+    def drop(self) -> None:
+        """The peer is gone: close the fds of every queued message and forget them."""
+        self.gone = True
+        while self.queue:
+            _close_all(self.queue.popleft()[1])
+
+    def __len__(self) -> int:
+        return len(self.queue)
 
 
 def _close_all(fds) -> None:

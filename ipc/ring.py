@@ -249,6 +249,14 @@ class Ring:
         """Records this producer has published (its own count; no shared load)."""
         return self._written
 
+    def position_committed(self) -> int:
+        """How far the writer has committed, in bytes since the ring was made (loaded from the header)."""
+        return self._hdr[_W_POS]
+
+    def position_read(self) -> int:
+        """How far this reader has read, in the same bytes as ``position_committed``."""
+        return self._rpos
+
     def records_released(self) -> int:
         """Records the consumer has read and released (loaded from the header)."""
         return self._hdr[_R_REC]

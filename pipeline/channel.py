@@ -9,6 +9,15 @@ reader's grants, which is how back-pressure climbs to the socket.
 It also runs the channel's other methods (queue.declare, basic.qos/consume/
 cancel/get, confirm.select), turns queues' confirms into ``basic.ack`` frames
 for the publisher, and passes consumers' acks on to the queues.
+
+One client record at a time, as RabbitMQ's channel handles its frames: a
+method answered by the broker or a queue (declare, bind, consume, get...),
+or a record that needs a link to a queue first, is finished before the next
+record is looked at. Those answers arrive asynchronously here, so while one
+is awaited (``waiting``) the records after it wait in ``held``, unhandled
+and their credit not yet acked, and the reader's ring is left unread; the
+answer resumes them in order. Pipelined methods are therefore answered in
+the order they were sent.
 """
 
 from __future__ import annotations
@@ -36,10 +45,13 @@ class ChannelError(Exception):
 
 
 class QueueLinks:
-    __slots__ = ("name", "out", "inp")
+    """The two links to one queue process, and the publishes it has not yet confirmed to this channel."""
+
+    __slots__ = ("name", "out", "inp", "unconfirmed")
 
     def __init__(self, name: bytes, out, inp):
         self.name, self.out, self.inp = name, out, inp
+        self.unconfirmed: set[int] = set()
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -52,10 +64,11 @@ class Channel(Stage):
     kind = "channel"
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, number: int,
-                 reader: str, frame_max: int, delay_us: int = 0):
+                 reader: str, frame_max: int, delay_us: int = 0, cancel_notify: bool = False):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.number = number
         self.reader_name = reader
+        self.cancel_notify = cancel_notify        # the client announced consumer_cancel_notify
         self.delay_ns = delay_us * 1000
         self.read_batch = read_batch_for(self.delay_ns)
         self.frame_max = frame_max
@@ -63,22 +76,25 @@ class Channel(Stage):
         self.to_reader = None
         self.queues: dict[bytes, QueueLinks] = {}
         self.by_in_link: dict[int, QueueLinks] = {}
-        self.missing: set[bytes] = set()          # known not to exist (until a queue_created)
-        self.parked: dict[bytes, list] = {}       # waiting for a link to the queue
+        self.missing: dict[bytes, tuple[int, str]] = {}   # known not to exist (until a queue_created): why
+        self.waiting: tuple | None = None         # ("link"|"queue", name) or ("broker",): the answer awaited
+        self.then = None                          # what to do with it (an op for ``replay``, or an answer)
+        self.held: collections.deque = collections.deque()   # client records after the one that waits
         self.confirm = False
         self.pending: collections.OrderedDict[int, int] = collections.OrderedDict()
         self.last_multiple_ack = 0
+        self.nacked: set[int] = set()             # nacked above last_multiple_ack: no multiple ack may span them
         self.max_seq = 0
         self.prefetch = 0
         self.consumers: dict[str, bytes] = {}     # consumer tag -> queue
         self.routed = 0
         self.unroutable = 0
         self.confirms_sent = 0
+        self.nacks_sent = 0
         self.out_frames: list[bytes] = []
         self.closing = False
         self.exchanges: dict[bytes, tuple[str, list]] = {}   # name -> (type, [(queue, key)]), from the supervisor
         self.routes: dict[tuple[bytes, bytes], list[bytes]] = {}
-        self.awaiting: collections.deque = collections.deque()   # replies owed to the client, in order
 
     # -- wiring ------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -90,39 +106,64 @@ class Channel(Stage):
 
     def on_control(self, msg: dict, fds) -> None:
         kind = msg.get("type")
-        name = msg.get("queue", "").encode()
+        name = msg.get("queue", "").encode("utf-8", "surrogateescape")
         if kind == "queue_linked":
-            q = QueueLinks(name, self.out_links[msg["out"]], self.in_links[msg["in"]])
-            self.queues[name] = q
-            self.by_in_link[q.inp.link_id] = q
-            self.missing.discard(name)
-            for op in self.parked.pop(name, []):
-                self.replay(q, op)
+            out, inp = self.out_links.get(msg["out"]), self.in_links.get(msg["in"])
+            q = None
+            if out is not None and inp is not None:
+                q = QueueLinks(name, out, inp)
+                self.queues[name] = q
+                self.by_in_link[q.inp.link_id] = q
+                self.missing.pop(name, None)
+            self.answered(("link", name), q)
         elif kind == "no_queue":
-            self.missing.add(name)
-            for op in self.parked.pop(name, []):
-                self.replay(None, op)
+            self.missing[name] = (msg.get("code", 404),
+                                  msg.get("text") or f"NOT_FOUND - no queue '{shown(name)}' in vhost '/'")
+            self.answered(("link", name), None)
         elif kind == "queue_created":
-            self.missing.discard(name)
+            self.missing.pop(name, None)
         elif kind == "exchanges":
             for ex, info in msg["table"].items():
                 self.exchanges[ex.encode()] = (info["type"], [(q.encode(), k.encode()) for q, k in info["bindings"]])
             self.routes.clear()
         elif kind == "reply":
-            self.on_reply(msg)
-        elif kind == "queue_deleted":
-            self.missing.add(name)
+            self.answered(("broker",), msg)
+
+
+    # -- one client record at a time -------------------------------------------------
+    def wait(self, what: tuple, then=None) -> None:
+        """Hold every later client record until ``what`` is answered; ``then`` is what to do with it."""
+        self.waiting, self.then = what, then
+
+    def answered(self, what: tuple, value) -> None:
+        """``what`` came back with ``value`` (a QueueLinks, None, or a reply): finish what waited, go on."""
+        if self.waiting != what:
+            return
+        then = self.then
+        self.waiting = self.then = None
+        if what[0] == "link":
+            self.replay(value, then)
+        elif what[0] == "broker":
+            self.on_broker_reply(value, then)
+        else:
+            self.on_queue_answer(value, then)
+        self.resume()
+
+    def resume(self) -> None:
+        while self.held and self.waiting is None and self.running:
+            self.client_record(self.held.popleft())
+        self.backlog = True            # and read the reader's ring again straight away
+
+    def wants_records(self, link) -> bool:
+        return self.waiting is None or link is not self.from_reader
 
     def need_queue(self, name: bytes, op) -> QueueLinks | None:
-        """The links to queue ``name``; parks ``op`` and asks for them if there are none yet."""
+        """The links to queue ``name``; without them, asks for them and waits, ``op`` to be replayed."""
         q = self.queues.get(name)
         if q is not None:
             return q
-        waiting = self.parked.get(name)
-        if waiting is None:
-            waiting = self.parked[name] = []
-            control.send_msg(self.ctl, {"type": "link_queue", "queue": name.decode()})
-        waiting.append(op)
+        control.send_msg(self.ctl, {"type": "link_queue", "queue": name.decode("utf-8", "surrogateescape")})
+        self.wait(("link", name), op)
         return None
 
     def replay(self, q: QueueLinks | None, op) -> None:
@@ -133,34 +174,48 @@ class Channel(Stage):
                 self.route_publish(op[1], flags, seq, time.monotonic_ns())
             elif kind == "control":
                 if q is None:
-                    raise ChannelError(404, f"NOT_FOUND - no queue '{op[2]}' in vhost '/'", *op[3])
-                q.out.put(wire.encode_control(op[1]))
+                    code, text = self.missing.get(op[2].encode("utf-8", "surrogateescape"),
+                                                  (404, f"NOT_FOUND - no queue '{shown(op[2])}' in vhost '/'"))
+                    raise ChannelError(code, text, *op[3])
+                self.send_to_queue(q, op[1], op[3])
             elif kind == "ack" and q is not None:
                 q.out.put(op[1])
         except ChannelError as err:
             self.channel_error(err)
 
+    def send_to_queue(self, q: QueueLinks, op: dict, ids) -> None:
+        """An operation the queue answers (declare_ok, done or error) before the next client record."""
+        q.out.put(wire.encode_control(op))
+        self.wait(("queue", q.name), ids)
+
     # -- records ------------------------------------------------------------------
     def on_record(self, link, record) -> None:
-        kind = record[0]
         if link is self.from_reader:
-            if kind == wire.Kind.PUBLISH:
-                self.on_publish(record)
-            elif kind == wire.Kind.METHOD:
-                self.on_method(record)
-            elif kind == wire.Kind.ACK:
-                _, queue, _ = wire.decode_ack(record)
-                q = self.need_queue(queue, ("ack", record))
-                if q is not None:
-                    q.out.put(record)
-            elif kind == wire.Kind.CONTROL and wire.decode_control(record).get("op") == "close":
-                self.close()
+            if self.waiting is not None or self.held:
+                self.held.append(record)
+            else:
+                self.client_record(record)
             return
+        kind = record[0]
         q = self.by_in_link.get(link.link_id)
         if kind == wire.Kind.CONFIRM:
-            self.on_confirms(wire.decode_confirm(record))
+            self.on_confirms(wire.decode_confirm(record), q)
         elif kind == wire.Kind.CONTROL and q is not None:
-            self.on_queue_reply(q, wire.decode_control(record))
+            self.answered(("queue", q.name), wire.decode_control(record))
+
+    def client_record(self, record) -> None:
+        kind = record[0]
+        if kind == wire.Kind.PUBLISH:
+            self.on_publish(record)
+        elif kind == wire.Kind.METHOD:
+            self.on_method(record)
+        elif kind == wire.Kind.ACK:
+            _, queue, _ = wire.decode_ack(record)
+            q = self.need_queue(queue, ("ack", record))
+            if q is not None:
+                q.out.put(record)
+        elif kind == wire.Kind.CONTROL and wire.decode_control(record).get("op") == "close":
+            self.close()
 
     def on_publish(self, record) -> None:
         self.send_grants(self.credit.ack(self.from_reader.link_id))
@@ -187,7 +242,7 @@ class Channel(Stage):
         if targets is None:
             info = self.exchanges.get(exchange)
             if info is None:
-                raise ChannelError(404, f"NOT_FOUND - no exchange '{exchange.decode()}' in vhost '/'", 60, 40)
+                raise ChannelError(404, f"NOT_FOUND - no exchange '{shown(exchange)}' in vhost '/'", 60, 40)
             kind, bindings = info
             if kind == "fanout":
                 targets = list(dict.fromkeys(q for q, _ in bindings))
@@ -212,6 +267,8 @@ class Channel(Stage):
             return
         if flags & wire.PUB_CONFIRM:
             self.pending[seq] = len(linked)
+            for q in linked:
+                q.unconfirmed.add(seq)
         for q in linked:
             q.out.put_message(record)
             self.credit.send(q.out.link_id, now)
@@ -221,17 +278,17 @@ class Channel(Stage):
         self.unroutable += 1
         if flags & wire.PUB_MANDATORY:
             exchange, rk, props, body = wire.decode_content(record, wire.PUBLISH_CONTENT_OFFSET)
-            ret = commands.Basic.Return(reply_code=312, reply_text="NO_ROUTE",
-                                        exchange=exchange.decode(), routing_key=rk.decode())
-            self.out_frames.append(frames.encode_method(self.number, ret)
-                                   + frames.encode_content(self.number, props, body, self.frame_max))
+            self.out_frames.append(frames.encode_basic_return(self.number, 312, "NO_ROUTE", exchange, rk, props, body,
+                                                              self.frame_max))
         if flags & wire.PUB_CONFIRM:
             self.pending.pop(seq, None)
             self.confirm_done([seq])
 
-    def on_confirms(self, seqs) -> None:
+    def on_confirms(self, seqs, q: QueueLinks | None) -> None:
         done = []
         pending = self.pending
+        if q is not None:
+            q.unconfirmed.difference_update(seqs)
         for seq in seqs:
             left = pending.get(seq)
             if left is None:
@@ -245,21 +302,29 @@ class Channel(Stage):
             self.confirm_done(done)
 
     def confirm_done(self, seqs) -> None:
-        """Ack confirmed publishes: one multiple ack below the lowest still pending, single acks above it."""
+        """Ack confirmed publishes: one multiple ack below the lowest still pending, single acks above it.
+        A multiple ack never spans a nacked publish: over such a range each one is acked alone."""
         lowest = next(iter(self.pending), None)
         upto = (lowest - 1) if lowest is not None else self.max_seq
         out = self.out_frames
+        singles = seqs
         if upto > self.last_multiple_ack:
-            out.append(frames.encode_basic_ack(self.number, upto, True))
-            self.last_multiple_ack = upto
-            self.confirms_sent += 1
-        for seq in seqs:
-            if seq > upto:
-                out.append(frames.encode_basic_ack(self.number, seq, False))
+            nacked = self.nacked
+            if nacked and any(self.last_multiple_ack < n <= upto for n in nacked):
+                self.nacked = {n for n in nacked if n > upto}
+            else:
+                out.append(frames.encode_basic_ack(self.number, upto, True))
                 self.confirms_sent += 1
+                singles = [seq for seq in seqs if seq > upto]
+            self.last_multiple_ack = upto
+        for seq in singles:
+            out.append(frames.encode_basic_ack(self.number, seq, False))
+            self.confirms_sent += 1
 
     # -- methods ----------------------------------------------------------------------
     def on_method(self, record) -> None:
+        if self.closing:
+            return                 # after a channel error only the client's close-ok matters
         payload = bytes(record[1:])
         try:
             method = frames.decode_method(payload, 0, len(payload))
@@ -277,7 +342,7 @@ class Channel(Stage):
             control.send_msg(self.ctl, {"type": "declare_queue", "queue": queue, "passive": m.passive,
                                         "durable": m.durable, "auto_delete": m.auto_delete,
                                         "exclusive": m.exclusive})
-            self.parked.setdefault(queue.encode(), []).append(("control", op, queue, (50, 10)))
+            self.wait(("link", queue.encode()), ("control", op, queue, (50, 10)))
         elif name == "Basic.Qos":
             self.prefetch = m.prefetch_count
             self.reply(commands.Basic.QosOk())
@@ -329,11 +394,11 @@ class Channel(Stage):
 
     def ask(self, request: dict, answer, ids) -> None:
         """A request the supervisor decides (exchanges, bindings); the client's answer waits for it."""
-        self.awaiting.append((answer, ids))
         control.send_msg(self.ctl, request)
+        self.wait(("broker",), (answer, ids))
 
-    def on_reply(self, msg: dict) -> None:
-        answer, ids = self.awaiting.popleft()
+    def on_broker_reply(self, msg: dict, then) -> None:
+        answer, ids = then
         if not msg.get("ok"):
             self.channel_error(ChannelError(msg["code"], msg["text"], *ids))
         elif answer is not None:
@@ -342,14 +407,16 @@ class Channel(Stage):
     def to_queue(self, queue: str, op: dict, ids) -> None:
         q = self.need_queue(queue.encode(), ("control", op, queue, ids))
         if q is not None:
-            q.out.put(wire.encode_control(op))
+            self.send_to_queue(q, op, ids)
 
-    def on_queue_reply(self, q: QueueLinks, msg: dict) -> None:
+    def on_queue_answer(self, msg: dict, ids) -> None:
+        """The queue's answer to the operation this channel waited on: declare_ok, done, or error."""
         op = msg.get("op")
         if op == "declare_ok":
             if not msg.get("nowait"):
-                self.reply(commands.Queue.DeclareOk(queue=msg["queue"], message_count=msg["message_count"],
-                                                    consumer_count=msg["consumer_count"]))
+                self.out_frames.append(frames.encode_reply(
+                    self.number, commands.Queue.DeclareOk, queue=msg["queue"], message_count=msg["message_count"],
+                    consumer_count=msg["consumer_count"]))
         elif op == "error":
             self.channel_error(ChannelError(msg["code"], msg["text"], msg.get("class_id", 0),
                                             msg.get("method_id", 0)))
@@ -383,14 +450,64 @@ class Channel(Stage):
     def after_io(self, now_ns: int) -> None:
         self.flush_frames()
 
-    def on_peer_down(self, link_id: int) -> None:
+    def on_peer_down(self, link_id: int, reason: str) -> None:
         q = self.by_in_link.pop(link_id, None)
-        if q is not None:
-            self.queues.pop(q.name, None)
+        if q is None:
+            q = next((q for q in self.queues.values() if q.out.link_id == link_id), None)
+        if q is None or self.queues.get(q.name) is not q:
+            return
+        del self.queues[q.name]
+        self.by_in_link.pop(q.inp.link_id, None)
+        self.queue_gone(q, crashed=reason == "crashed")
+        if self.waiting == ("queue", q.name):     # it will never answer what we asked
+            self.answered(self.waiting, {"op": "error", "code": 404, "class_id": self.then[0], "method_id": self.then[1],
+                                         "text": f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' process is "
+                                                 "stopped by supervisor"})
+
+    def queue_gone(self, q: QueueLinks, crashed: bool) -> None:
+        """A queue process this channel used has ended (RabbitMQ's handle_publishing_queue_down and
+        handle_consuming_queue_down). If it crashed, every publish it had not confirmed is nacked,
+        whatever other queues it also went to; if it ended as it should, it counts as confirmed there.
+        Its consumers are cancelled: basic.cancel to a client that announced consumer_cancel_notify;
+        a client that did not would wait forever, so after a crash its channel is closed."""
+        if q.unconfirmed:
+            if crashed:
+                self.nack(sorted(q.unconfirmed))
+            else:
+                self.on_confirms(sorted(q.unconfirmed), None)
+            q.unconfirmed.clear()
+        tags = [tag for tag, name in self.consumers.items() if name == q.name]
+        for tag in tags:
+            del self.consumers[tag]
+        if not tags:
+            return
+        if self.cancel_notify:
+            for tag in tags:
+                self.reply(commands.Basic.Cancel(consumer_tag=tag, nowait=True))
+        elif crashed:
+            self.channel_error(ChannelError(541, f"INTERNAL_ERROR - queue '{shown(q.name)}' in vhost '/' crashed; "
+                                                 f"consumer{'s' if len(tags) > 1 else ''} "
+                                                 f"{', '.join(tags)} cancelled"))
+
+    def nack(self, seqs) -> None:
+        """basic.nack each publish in ``seqs``: it will never be confirmed now."""
+        for seq in seqs:
+            if self.pending.pop(seq, None) is not None:
+                self.nacked.add(seq)
+                self.out_frames.append(frames.encode_method(self.number, commands.Basic.Nack(delivery_tag=seq)))
+                self.nacks_sent += 1
+        self.confirm_done([])
 
     def extra_stats(self, now_ns: int) -> dict:
         return {"number": self.number, "routed": self.routed, "unroutable": self.unroutable,
-                "unconfirmed": len(self.pending), "confirms_sent": self.confirms_sent}
+                "unconfirmed": len(self.pending), "confirms_sent": self.confirms_sent, "nacks_sent": self.nacks_sent}
+
+
+def shown(name) -> str:
+    """A name as text for a reply: bytes that are not UTF-8 are shown as U+FFFD, never raised on."""
+    if isinstance(name, str):
+        name = name.encode("utf-8", "surrogateescape")
+    return bytes(name).decode("utf-8", "replace")
 
 
 def topic_matches(pattern: bytes, routing_key: bytes) -> bool:

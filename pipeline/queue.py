@@ -28,7 +28,7 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.journal import QueueJournal, read_store_bodies
 from pipeline.channel import busy_wait_ns
-from pipeline.stage import TRIM_INTERVAL_NS, Stage, read_batch_for
+from pipeline.stage import Stage, read_batch_for
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
@@ -81,18 +81,21 @@ class PageFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
 DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
-TRIM_MIN_PEAK_MESSAGES = 1000
-
+TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
+TRIM_AFTER_FALL_FRACTION = 1 / 16    # trim each time the backlog has fallen by this much since the last trim,
+TRIM_MIN_INTERVAL_NS = 100_000_000   # but not more often: a trim costs ~0.1 ms per MiB it returns
 
 class Consumer:
-    __slots__ = ("ctag", "ctag_bytes", "channel", "reader", "link", "no_ack", "prefetch", "unacked")
+    __slots__ = ("ctag", "ctag_bytes", "channel", "reader", "via", "link", "no_ack", "prefetch", "unacked")
 
-    def __init__(self, ctag: str, channel: int, reader: str, link, no_ack: bool, prefetch: int):
+    def __init__(self, ctag: str, channel: int, reader: str, link, no_ack: bool, prefetch: int, via: str = ""):
         self.ctag = ctag
         self.ctag_bytes = ctag.encode()
         self.channel = channel
         self.reader = reader
+        self.via = via             # the channel process it consumes through (its acks come from there)
         self.link = link
         self.no_ack = no_ack
         self.prefetch = prefetch
@@ -105,7 +108,7 @@ class Queue(Stage):
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
                  exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
                  frame_max: int = 131072, run_id: str = "", journal_dir: str | None = None,
-                 store_dir: str | None = None, page_path: str | None = None):
+                 store_dir: str | None = None, page_path: str | None = None, incarnation: int = 0):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.queue = queue
         self.queue_bytes = queue.encode()
@@ -140,6 +143,9 @@ class Queue(Stage):
         self.page_sizes = (0, 0)
         self.waiting: dict[int, list] = {}        # msg_id -> [out link, seq, journal synced?, store on disk?]
         self.by_store_id: dict[bytes, int] = {}
+        self.unwritten: dict[bytes, bytes] = {}   # store id -> WRITE record the store has not reported on disk
+        self.store_lost = False                   # the store died: re-send ``unwritten`` to its successor
+        self.store_resent = 0
         self.journal = QueueJournal(journal_dir) if durable and journal_dir else None
         self.journal_first_unsynced_ns: int | None = None
         self.journal_acks: list[int] = []
@@ -151,6 +157,9 @@ class Queue(Stage):
         self.stored = 0
         if self.journal is not None:
             self.recover(store_dir)
+        # message ids of a restarted queue never repeat its earlier life's: a late ack meant for
+        # one of those deliveries then matches nothing here
+        self.next_id = max(self.next_id, (incarnation << MSG_ID_INCARNATION_SHIFT) + 1)
 
     # -- wiring -----------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -162,6 +171,8 @@ class Queue(Stage):
                 self.store_out = link
                 if self.store_spec:
                     self.credit.set_peer_spec(link.link_id, self.store_spec)
+                if self.store_lost:
+                    self.resend_unwritten()
         elif link.peer == "store":
             self.store_in = link
 
@@ -169,12 +180,29 @@ class Queue(Stage):
         if msg.get("type") == "page" and self.pages is not None:
             self.paging = bool(msg["on"])
 
-    def on_peer_down(self, link_id: int) -> None:
+    def on_peer_down(self, link_id: int, reason: str) -> None:
+        if self.store_in is not None and self.store_in.link_id == link_id:
+            self.store_in = None
         for peer, link in list(self.peer_out.items()):
             if link.link_id == link_id:
                 del self.peer_out[peer]
                 if self.reader_links.pop(peer, None) is not None:
                     self.drop_consumers(lambda c, r=peer: c.reader == r, reader=peer)
+                elif peer == "store":
+                    self.store_out = None
+                    self.store_lost = True
+                elif reason == "crashed":     # a channel died: what its consumers and gets held goes back
+                    self.drop_consumers(lambda c, v=peer: c.via == v, requeue=False)
+                    self.requeue_where(lambda who, v=peer: who[2] == v)
+
+    def resend_unwritten(self) -> None:
+        """A new store took over: write again what the dead one never reported on disk, in order."""
+        self.store_lost = False
+        now = time.monotonic_ns()
+        for record in self.unwritten.values():
+            self.store_out.put_message(record)
+            self.credit.send(self.store_out.link_id, now)
+        self.store_resent += len(self.unwritten)
 
     # -- records --------------------------------------------------------------------
     def on_record(self, link, record) -> None:
@@ -182,7 +210,7 @@ class Queue(Stage):
         if kind == wire.Kind.PUBLISH:
             self.on_publish(link, record)
         elif kind == wire.Kind.ACK:
-            self.on_ack(record)
+            self.on_ack(link, record)
         elif kind == wire.Kind.CONTROL:
             self.on_op(link, wire.decode_control(record))
         elif kind == wire.Kind.ON_DISK:
@@ -200,7 +228,9 @@ class Queue(Stage):
         if (flags & wire.PUB_PERSISTENT and self.durable and self.store_out is not None
                 and wire.content_body_len(record) >= QUEUE_INDEX_EMBED_MSGS_BELOW):
             on_store = self.store_id(link.peer, seq)
-            self.store_out.put_message(wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+            write = wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
+            self.unwritten[on_store] = write
+            self.store_out.put_message(write)
             self.credit.send(self.store_out.link_id, time.monotonic_ns())
             self.stored += 1
         persistent = self.journal is not None and flags & wire.PUB_PERSISTENT
@@ -305,7 +335,9 @@ class Queue(Stage):
         return prefix + struct.pack("<Q", seq)
 
     def on_disk(self, ids) -> None:
+        unwritten = self.unwritten
         for store_id in ids:
+            unwritten.pop(store_id, None)
             msg_id = self.by_store_id.pop(store_id, None)
             entry = self.waiting.get(msg_id) if msg_id is not None else None
             if entry is not None:
@@ -331,19 +363,29 @@ class Queue(Stage):
         self.acked += 1
         if self.journal is not None and record[1] & wire.PUB_PERSISTENT:
             self.journal_acks.append(msg_id)
-        return [on_store] if on_store is not None else []
+        if on_store is None:
+            return []
+        self.unwritten.pop(on_store, None)      # a store that took over need not write it at all
+        return [on_store]
 
-    def on_ack(self, record) -> None:
+    def on_ack(self, link, record) -> None:
         flags, _, ids = wire.decode_ack(record)
         requeue = []
         removed = []
+        via = link.peer
+        unacked = self.unacked
         for msg_id in ids:
-            entry = self.unacked.pop(msg_id, None)
+            entry = unacked.get(msg_id)
             if entry is None:
                 continue
             rec, owner, on_store = entry
             if isinstance(owner, Consumer):
+                if owner.via != via:
+                    continue            # not delivered through this channel: a stale ack
                 owner.unacked -= 1
+            elif owner[2] != via:
+                continue
+            del unacked[msg_id]
             rec = self.page_in(rec, False)
             if flags & wire.ACK_REQUEUE:
                 requeue.append((msg_id, rec, True, on_store))
@@ -397,18 +439,27 @@ class Queue(Stage):
         super().shutdown()
 
     def give_back_memory(self, now_ns: int) -> None:
-        """Once a backlog has mostly drained, hand freed heap pages back to the OS.
+        """As a backlog drains, hand the heap pages its messages held back to the OS, step by step.
 
-        Message bodies above 512 bytes live in glibc's heap; freeing them leaves
-        the pages mapped until ``malloc_trim`` returns them, and the memory
-        alarm measures what the OS sees.
+        Message bodies above 512 bytes live in glibc's main heap (each below the
+        mmap threshold, so none has a mapping of its own). The backlog drains
+        oldest first, from the bottom of the heap, while newer messages still
+        sit above it, so the heap's top never comes free and ``free`` returns
+        nothing: the pages stay mapped until ``malloc_trim`` hands back every
+        whole free page inside the heap. The memory alarm measures what the OS
+        sees, so the queue trims each time its backlog has fallen by
+        ``TRIM_AFTER_FALL_FRACTION`` since the last trim (``peak_messages`` is
+        the backlog at the last trim, or its peak since), at most every
+        ``TRIM_MIN_INTERVAL_NS``: memory follows the backlog down instead of
+        waiting for it to empty.
         """
         backlog = len(self.messages) + len(self.unacked)
         if backlog > self.peak_messages:
             self.peak_messages = backlog
             return
-        if (self.peak_messages >= TRIM_MIN_PEAK_MESSAGES and backlog * 4 < self.peak_messages
-                and now_ns - self.last_trim_ns >= TRIM_INTERVAL_NS):
+        if (self.peak_messages >= TRIM_MIN_PEAK_MESSAGES
+                and backlog <= self.peak_messages * (1 - TRIM_AFTER_FALL_FRACTION)
+                and now_ns - self.last_trim_ns >= TRIM_MIN_INTERVAL_NS):
             self.trim(now_ns)
             self.peak_messages = backlog
 
@@ -481,11 +532,13 @@ class Queue(Stage):
             if reader_link is None:
                 self.reply(out, {"op": "error", "code": 541, "text": "INTERNAL_ERROR - no delivery link"})
                 return
-            c = Consumer(op["ctag"], op["channel"], op["reader"], reader_link, op["no_ack"], op["prefetch"])
+            c = Consumer(op["ctag"], op["channel"], op["reader"], reader_link, op["no_ack"], op["prefetch"],
+                         via=link.peer)
             if not op.get("nowait"):
                 reader_link.put(wire.encode_frames(frames.encode_method(
                     c.channel, commands.Basic.ConsumeOk(consumer_tag=c.ctag))))
             self.consumers.append(c)
+            self.done(out, reader_link)
         elif kind == "cancel":
             self.drop_consumers(lambda c: c.ctag == op["ctag"] and c.reader == op["reader"]
                                 and c.channel == op["channel"], requeue=False)
@@ -493,8 +546,9 @@ class Queue(Stage):
             if reader_link is not None and not op.get("nowait"):
                 reader_link.put(wire.encode_frames(frames.encode_method(
                     op["channel"], commands.Basic.CancelOk(consumer_tag=op["ctag"]))))
+            self.done(out, reader_link)
         elif kind == "get":
-            self.basic_get(op)
+            self.done(out, self.basic_get(op, link.peer))
         elif kind == "channel_closed":
             reader, channel = op["reader"], op["channel"]
             self.drop_consumers(lambda c: c.reader == reader and c.channel == channel,
@@ -502,14 +556,23 @@ class Queue(Stage):
         elif kind == "recover":
             self.requeue_owned(op["reader"], op["channel"])
 
-    def basic_get(self, op: dict) -> None:
+    def done(self, out, reader_link) -> None:
+        """Tell the channel its operation is answered, after the answer the reader sends is committed:
+        the reader handles what a queue committed before what the channel then sends, so the client
+        sees the answers in the order it asked."""
+        if reader_link is not None:
+            reader_link.flush()
+        self.reply(out, {"op": "done"})
+
+    def basic_get(self, op: dict, via: str):
+        """Answer basic.get on the reader's link; returns that link (None if the reader is gone)."""
         reader_link = self.reader_links.get(op["reader"])
         if reader_link is None:
-            return
+            return None
         channel = op["channel"]
         if not self.messages:
             reader_link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
-            return
+            return reader_link
         msg_id, record, redelivered, on_store = self.messages.popleft()
         record = self.page_in(record, True)
         flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if op["no_ack"] else 0)
@@ -521,7 +584,8 @@ class Queue(Stage):
             if gone and self.store_out is not None:
                 self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, gone))
         else:
-            self.unacked[msg_id] = (record, (op["reader"], channel), on_store)
+            self.unacked[msg_id] = (record, (op["reader"], channel, via), on_store)
+        return reader_link
 
     def drop_consumers(self, match, *, requeue: bool = True, reader: str | None = None,
                        channel: int | None = None) -> None:
@@ -531,10 +595,15 @@ class Queue(Stage):
 
     def requeue_owned(self, reader: str, channel: int | None) -> None:
         """Put back, in order and marked redelivered, what a reader's channel held unacked."""
+        self.requeue_where(lambda who: who[0] == reader and (channel is None or who[1] == channel))
+
+    def requeue_where(self, match) -> None:
+        """Put back, in order and marked redelivered, the unacked messages whose (reader, channel number,
+        channel process) ``match``."""
         back = []
         for msg_id, (rec, owner, on_store) in list(self.unacked.items()):
-            who = (owner.reader, owner.channel) if isinstance(owner, Consumer) else owner
-            if who[0] == reader and (channel is None or who[1] == channel):
+            who = (owner.reader, owner.channel, owner.via) if isinstance(owner, Consumer) else owner
+            if match(who):
                 del self.unacked[msg_id]
                 if isinstance(owner, Consumer):
                     owner.unacked -= 1
@@ -553,5 +622,5 @@ class Queue(Stage):
                 "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
                 "awaiting_confirm": len(self.waiting), "recovered": self.recovered, "paging": self.paging,
                 "paged_messages": self.paged_messages, "paged_acks": self.paged_acks, "paged_out": self.paged_out,
-                "paged_in": self.paged_in,
+                "paged_in": self.paged_in, "store_resent": self.store_resent,
                 "journal_fsyncs": self.journal_fsyncs}

@@ -26,8 +26,7 @@ from ipc.tokens import Kind as TokenKind
 from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed,
-                                      CloseRequested, HeartbeatTimeout, Method, Opened,
-                                      ProtocolError, Publish, ServerConnection)
+                                      CloseRequested, HeartbeatTimeout, Method, ProtocolError, Publish, ServerConnection)
 from pipeline.stage import Stage
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
@@ -54,7 +53,9 @@ class ChannelSlot:
         self.confirm = False
         self.seq = 0
         self.next_tag = 1
-        self.unacked: collections.OrderedDict[int, tuple[bytes, int]] = collections.OrderedDict()
+        # delivery tag -> (the queue's delivery link, message id); a tag whose link is gone was
+        # delivered by a queue process that ended: its ack has nobody to go to
+        self.unacked: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
         self.ready = False
 
 
@@ -77,8 +78,11 @@ class Reader(Stage):
         for reason in alarms:
             self.throttle.set_reason(reason, True)
         self.channels: dict[int, ChannelSlot] = {}
+        self.opening: set[int] = set()           # channels whose process is not attached yet: parsing waits
         self.by_out_link: dict[int, ChannelSlot] = {}
         self.queue_links: dict[int, bytes] = {}     # in-link id -> queue name
+        self.early: list = []                       # channels' records waiting for what queues sent first
+        self.early_marks: dict[int, int] = {}       # queue in-link id -> its ring's commit position then
         self.outbuf = bytearray()
         self.interest = 0
         self.eof = False
@@ -115,6 +119,9 @@ class Reader(Stage):
     def on_ready(self, key) -> None:
         if key.data != "sock":
             return
+        # The inbox first: an alarm the supervisor delivered before this data arrived applies to it
+        # (ctl set-watermark returns once every reader's inbox holds the alarm).
+        self.handle_tokens(time.monotonic_ns())
         if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
             try:
                 data = self.sock.recv(RECV_BYTES)
@@ -153,6 +160,39 @@ class Reader(Stage):
     def can_read_more(self) -> bool:
         return len(self.outbuf) < OUTBUF_HIGH_BYTES
 
+    def poll_links(self, now_ns: int) -> int:
+        """Queues answer some methods straight to the reader (consume-ok, get-ok) and then tell the
+        channel, which may answer the client's next method at once: so the channels' rings are read
+        first, and their records handled only once every queue ring has been read as far as it had
+        been committed by then. Answers reach the client in the order it asked."""
+        handled = 0
+        if not self.early:
+            for link in list(self.in_links.values()):
+                if link.link_id not in self.queue_links:
+                    records = link.read(self.read_batch)
+                    if records:
+                        self.early.append((link, records))
+                        if len(records) == self.read_batch:
+                            self.backlog = True
+            if self.early:
+                self.early_marks = {i: self.in_links[i].ring.position_committed()
+                                    for i in self.queue_links if i in self.in_links}
+        handled += super().poll_links(now_ns)
+        if self.early:
+            if all(i not in self.in_links or self.in_links[i].ring.position_read() >= mark
+                   for i, mark in self.early_marks.items()):
+                early, self.early = self.early, []
+                for link, records in early:
+                    handled += len(records)
+                    for record in records:
+                        self.on_record(link, record)
+            else:
+                self.backlog = True
+        return handled
+
+    def wants_records(self, link) -> bool:
+        return link.link_id in self.queue_links
+
     # -- the loop's hooks --------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
         self.parse(now_ns)
@@ -177,7 +217,9 @@ class Reader(Stage):
     def parse(self, now_ns: int) -> None:
         conn = self.conn
         throttle = self.throttle
-        while throttle.reading and self.closing_since_ns is None:
+        # While a channel's process starts, nothing more is parsed: what the client pipelined after
+        # channel.open is for that process, as RabbitMQ's reader hands it to the channel it just made.
+        while throttle.reading and self.closing_since_ns is None and not self.opening:
             event = conn.next_event(now_ns)
             if event is None:
                 break
@@ -220,7 +262,9 @@ class Reader(Stage):
             self.on_method(ev, now_ns)
         elif isinstance(ev, ChannelOpen):
             self.channels[ev.channel] = ChannelSlot(ev.channel)
-            control.send_msg(self.ctl, {"type": "open_channel", "channel": ev.channel})
+            self.opening.add(ev.channel)
+            control.send_msg(self.ctl, {"type": "open_channel", "channel": ev.channel,
+                                        "cancel_notify": self.conn.capabilities.get("consumer_cancel_notify") is True})
         elif isinstance(ev, ChannelClose):
             slot = self.channels.get(ev.channel)
             if slot is not None and slot.out is not None:
@@ -259,7 +303,7 @@ class Reader(Stage):
 
     def settle(self, slot: ChannelSlot, tag: int, multiple: bool, flags: int) -> None:
         """Turn a client's ack/nack/reject into ACK records per queue."""
-        by_queue: dict[bytes, list[int]] = {}
+        by_link: dict[int, list[int]] = {}
         unacked = slot.unacked
         if multiple:
             if tag == 0:
@@ -268,17 +312,19 @@ class Reader(Stage):
                 first = next(iter(unacked))
                 if first > tag:
                     break
-                queue, msg_id = unacked.pop(first)
-                by_queue.setdefault(queue, []).append(msg_id)
+                link_id, msg_id = unacked.pop(first)
+                by_link.setdefault(link_id, []).append(msg_id)
         else:
             entry = unacked.pop(tag, None)
             if entry is None:
                 self.conn.close_channel(slot.number, 406, f"PRECONDITION_FAILED - unknown delivery tag {tag}",
                                         60, 80)
                 return
-            by_queue[entry[0]] = [entry[1]]
-        for queue, ids in by_queue.items():
-            slot.out.put(wire.encode_ack(flags, queue, ids))
+            by_link[entry[0]] = [entry[1]]
+        for link_id, ids in by_link.items():
+            queue = self.queue_links.get(link_id)
+            if queue is not None:
+                slot.out.put(wire.encode_ack(flags, queue, ids))
 
     def notify(self, notices) -> None:
         for notice in notices:
@@ -307,14 +353,13 @@ class Reader(Stage):
         tag = slot.next_tag
         slot.next_tag += 1
         if not flags & wire.DLV_NO_ACK:
-            slot.unacked[tag] = (self.queue_links.get(link.link_id, b""), msg_id)
+            slot.unacked[tag] = (link.link_id, msg_id)
         exchange, rk, props, body = wire.content_views(record, off)
         self.conn.send_raw(frames.encode_deliver(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
                                                  exchange, rk, props, body, self.conn.frame_max))
         self.deliveries += 1
 
     def on_get_ok(self, link, record) -> None:
-        from pamqp import commands
         flags, channel, msg_id, count, off = wire.decode_get_ok(record)
         slot = self.channels.get(channel)
         if slot is None:
@@ -322,13 +367,10 @@ class Reader(Stage):
         tag = slot.next_tag
         slot.next_tag += 1
         if not flags & wire.DLV_NO_ACK:
-            slot.unacked[tag] = (self.queue_links.get(link.link_id, b""), msg_id)
-        exchange, rk, props, body = wire.decode_content(record, off)
-        method = commands.Basic.GetOk(delivery_tag=tag, redelivered=bool(flags & wire.DLV_REDELIVERED),
-                                      exchange=exchange.decode(), routing_key=rk.decode(),
-                                      message_count=count)
-        self.conn.send_raw(frames.encode_method(channel, method)
-                           + frames.encode_content(channel, props, body, self.conn.frame_max))
+            slot.unacked[tag] = (link.link_id, msg_id)
+        exchange, rk, props, body = wire.content_views(record, off)
+        self.conn.send_raw(frames.encode_get_ok(channel, tag, bool(flags & wire.DLV_REDELIVERED), exchange, rk, count,
+                                                props, body, self.conn.frame_max))
         self.deliveries += 1
 
     def on_channel_control(self, link, msg: dict) -> None:
@@ -365,20 +407,39 @@ class Reader(Stage):
     def on_control(self, msg: dict, fds: list[int]) -> None:
         kind = msg.get("type")
         if kind == "channel_ready":
+            self.opening.discard(msg["channel"])
             slot = self.channels.get(msg["channel"])
-            if slot is None:
-                return
-            slot.out = self.out_links[msg["out"]]
-            slot.inp = self.in_links[msg["in"]]
+            out, inp = self.out_links.get(msg["out"]), self.in_links.get(msg["in"])
+            if slot is None or out is None or inp is None:
+                return          # the channel process is already gone; channel_crashed follows
+            slot.out, slot.inp = out, inp
             slot.ready = True
             self.by_out_link[slot.out.link_id] = slot
             self.conn.open_channel_ok(slot.number)
         elif kind == "channel_refused":
+            self.opening.discard(msg["channel"])
             self.channels.pop(msg["channel"], None)
             self.conn.close(msg.get("code", 530), msg["text"], 20, 10)
             self.finish()
         elif kind == "queue_link":
-            self.queue_links[msg["link"]] = msg["queue"].encode()
+            if msg["link"] in self.in_links:
+                self.queue_links[msg["link"]] = msg["queue"].encode("utf-8", "surrogateescape")
+        elif kind == "channel_crashed":
+            self.log(f"closing AMQP connection: 541 {msg['text']}")
+            if self.conn.state not in ("closing", "closed"):
+                self.conn.close(541, msg["text"])
+            self.finish()
+
+    def on_peer_down(self, link_id: int, reason: str) -> None:
+        self.queue_links.pop(link_id, None)
+        slot = self.by_out_link.pop(link_id, None)
+        if slot is not None:          # its channel process is gone: nothing more can go to it
+            slot.out = None
+        else:                         # (what it sent before it went has been handled by now)
+            slot = next((c for c in self.channels.values() if c.inp is not None and c.inp.link_id == link_id), None)
+            if slot is not None:
+                slot.inp = None
+        self.release_flow(time.monotonic_ns())
 
     def on_token(self, tok, now_ns: int) -> None:
         if tok.kind in (TokenKind.ALARM_SET, TokenKind.ALARM_CLEAR):
@@ -389,8 +450,12 @@ class Reader(Stage):
                 self.note_resume(now_ns)
             return
         super().on_token(tok, now_ns)
-        if tok.kind in (TokenKind.BUMP, TokenKind.PEER_DOWN) and FLOW in self.throttle.reasons \
-                and not self.credit.blocked:
+        if tok.kind in (TokenKind.BUMP, TokenKind.PEER_DOWN):
+            self.release_flow(now_ns)
+
+    def release_flow(self, now_ns: int) -> None:
+        """Credit came back (a bump, or a blocking peer went away): read again if nothing else holds us."""
+        if FLOW in self.throttle.reasons and not self.credit.blocked:
             self.notify(self.throttle.set_reason(FLOW, False))
         self.note_resume(now_ns)
 

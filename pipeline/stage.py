@@ -34,7 +34,7 @@ from ipc.tokens import Kind as TokenKind
 STATS_INTERVAL_MS = 100
 STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not more often than this
 IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
-TRIM_AFTER_RECORDS = 10_000     # an idle stage that handled this many records since its last trim trims
+TRIM_AFTER_RECORDS = 1000       # an idle stage that handled this many records since its last trim trims
 TRIM_INTERVAL_NS = 1_000_000_000
 
 
@@ -224,8 +224,8 @@ class Stage:
     def on_link_attached(self, link) -> None:
         pass
 
-    def on_peer_down(self, link_id: int) -> None:
-        pass
+    def on_peer_down(self, link_id: int, reason: str) -> None:
+        """The link ``link_id`` is gone (already removed from the link tables)."""
 
     def on_ready(self, key) -> None:
         """An extra fd registered by the subclass is ready."""
@@ -249,17 +249,29 @@ class Stage:
 
     def attach(self, msg: dict, fds: list[int]) -> None:
         spec = msg.get("spec")
-        if msg["role"] == "out":
-            link = OutLink(msg["link"], msg["peer"], msg["ring"], fds[0], fds[1], msg["flow"])
-            self.out_links[link.link_id] = link
-        else:
-            link = InLink(msg["link"], msg["peer"], msg["ring"], fds[0], msg["flow"])
-            self.in_links[link.link_id] = link
+        try:
+            if msg["role"] == "out":
+                link = OutLink(msg["link"], msg["peer"], msg["ring"], fds[0], fds[1], msg["flow"])
+                self.out_links[link.link_id] = link
+            else:
+                link = InLink(msg["link"], msg["peer"], msg["ring"], fds[0], msg["flow"])
+                self.in_links[link.link_id] = link
+        except OSError:
+            # The link was torn down before this attach arrived (its other end ended and the
+            # supervisor unlinked the ring): its detach follows; there is nothing to attach.
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            return
         if spec:
             self.credit.set_peer_spec(link.link_id, CreditSpec(*spec))
         self.on_link_attached(link)
 
-    def detach(self, link_id: int, now_ns: int) -> None:
+    def detach(self, link_id: int, now_ns: int, reason: str = "closed") -> None:
+        """The process at the other end of ``link_id`` is gone: ``reason`` is "closed" (it ended as it
+        should) or "crashed" (it died, or was killed)."""
         inbound = self.in_links.get(link_id)
         if inbound is not None:  # what the peer sent before it went away is still ours to handle
             while records := inbound.read():
@@ -270,7 +282,8 @@ class Stage:
             link = links.pop(link_id, None)
             if link is not None:
                 link.close()
-        self.on_peer_down(link_id)
+        self.on_peer_down(link_id, reason)
+        self.dirty = True
 
     def handle_tokens(self, now_ns: int) -> None:
         try:
@@ -308,7 +321,7 @@ class Stage:
             if kind == "attach":
                 self.attach(msg, fds)
             elif kind == "detach":
-                self.detach(msg["link"], time.monotonic_ns())
+                self.detach(msg["link"], time.monotonic_ns(), msg.get("reason", "closed"))
             elif kind == "stop":
                 self.on_stop()
             else:
@@ -325,9 +338,8 @@ class Stage:
         is really behind runs out of credit."""
         handled = 0
         batch = self.read_batch
-        self.backlog = False
         for link in list(self.in_links.values()):
-            while link.link_id in self.in_links:
+            while link.link_id in self.in_links and self.wants_records(link):
                 records = link.read(batch)
                 if not records:
                     break
@@ -348,6 +360,10 @@ class Stage:
         return handled
 
     def can_read_more(self) -> bool:
+        return True
+
+    def wants_records(self, link) -> bool:
+        """Whether to read ``link`` now (a channel waiting on an answer leaves its reader's ring alone)."""
         return True
 
     def state_key(self):
@@ -423,6 +439,7 @@ class Stage:
                 else:
                     self.on_ready(key)
             now = time.monotonic_ns()
+            self.backlog = False
             handled = self.poll_links(now)
             self.after_io(now)
             self.flush_links()

@@ -60,6 +60,12 @@ class Store(Stage):
         if link.link_id in self.out_links:
             self.out_by_peer[link.peer] = link
 
+    def on_peer_down(self, link_id: int, reason: str) -> None:
+        for peer, link in list(self.out_by_peer.items()):
+            if link.link_id == link_id:
+                del self.out_by_peer[peer]
+        self.unsynced.pop(link_id, None)     # written for a queue that is gone; its successor re-sends
+
     def on_record(self, link, record) -> None:
         kind = record[0]
         if kind == wire.Kind.WRITE:

@@ -1,4 +1,4 @@
-"""The supervisor: starts, wires, watches and stops every broker process.
+"""The supervisor: starts, wires, watches, restarts and stops every broker process.
 
 It is the only owner of shared memory: it creates each ring (named
 ``creditflow-<run id>-...``) and unlinks it when its link is torn down or the
@@ -11,11 +11,19 @@ inbox and doorbell fds (SCM_RIGHTS). Stages ask for links (a channel for a
 queue, a reader for a channel); the supervisor answers once both ends have
 them.
 
-A stage that dies is noticed (SIGCHLD), reported, its neighbours get
-``peer_down`` for each link they shared with it, and, unless it was a reader
-or channel that ended normally, the broker shuts down with
-``EXIT_STAGE_DIED``. Shutdown is ordered: readers first, then channels,
-queues, and the store last after its final fsync.
+It never waits on a stage: control messages go through one ``Outbox`` per
+stage and tokens through non-blocking writes, so a stage that stops reading
+(a channel pipelining a thousand declares, a stage that died a moment ago)
+cannot stall the broker, and any one message it cannot handle is logged and
+dropped, never raised out of the loop.
+
+What a stage's end means is decided by ``pipeline.broker.lifecycle`` (a
+table): a reader that dies takes only its connection; a channel that dies
+has its connection closed with 541; the queues, the store and the watchdog
+are restarted. Each death and restart is logged in RabbitMQ's words, kept
+as a telemetry event and listed by ``ctl status``. Shutdown is ordered:
+readers first, then channels, queues, and the store last after its final
+fsync.
 """
 
 from __future__ import annotations
@@ -30,15 +38,17 @@ import socket
 import sys
 import time
 import traceback
-import urllib.parse
 from dataclasses import dataclass, field
 
 from ipc import control, shm, tokens
 from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND, CreditSpec
 from ipc.doorbell import Doorbell
-from ipc.errors import PeerGone, WouldBlock
+from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
 from pipeline import telemetry
+from pipeline.broker import lifecycle, names
+from pipeline.broker.ctl_server import CtlServer
+from pipeline.broker.definitions import DEFINITIONS_FILE, Definitions, Refused, not_found_queue, queue_stopped
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -47,11 +57,12 @@ EXIT_PORT_IN_USE = 4
 EXIT_STAGE_CRASHED = 70
 
 RING_BYTES = 4 * 1024 * 1024
-EXCHANGE_TYPES = ("direct", "fanout", "topic")
-PREDECLARED_EXCHANGES = {"amq.direct": "direct", "amq.fanout": "fanout", "amq.topic": "topic"}
 STOP_GRACE_S = 3.0
 SAMPLE_INTERVAL_MS = 100
 UNTRACED_STATS_INTERVAL_MS = 1000   # --telemetry off: what status and the live view still need
+TOKEN_RETRY_S = 0.01                # a full inbox pipe: try the tokens again this soon
+ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for this long
+SUPERVISOR = "creditflow_sup"
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
@@ -88,11 +99,16 @@ class Proc:
     kind: str
     pid: int
     ctl: socket.socket
+    outbox: control.Outbox
     inbox_w: int
     doorbell: Doorbell
+    factory: object = None          # how to start it again (queues, store, watchdog)
     links: set = field(default_factory=set)
     owner: str | None = None        # for channels: their reader
-    stopping: bool = False
+    number: int = 0                 # for channels: the AMQP channel number
+    peer: str = ""                  # for readers: the client's address
+    state: str = "running"          # pipeline.broker.lifecycle.STATES
+    tokens: bytearray = field(default_factory=bytearray)   # tokens its full inbox could not take yet
 
 
 @dataclass
@@ -129,7 +145,7 @@ class Supervisor:
     def __init__(self, cfg: BrokerConfig, *, out=None):
         self.cfg = cfg
         self.out = out or sys.stdout
-        os.makedirs(cfg.data_dir, exist_ok=True)
+        os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
         removed = shm.cleanup_stale()
         self.run_id = shm.new_run_id()
         self.owner = shm.SegmentOwner(self.run_id)
@@ -138,17 +154,21 @@ class Supervisor:
         self.links: dict[int, LinkRec] = {}
         self.next_link = 1
         self.next_conn = 1
-        self.queues: dict[str, dict] = {}
-        self.exchanges: dict[str, dict] = {name: {"type": kind, "durable": True, "bindings": []}
-                                           for name, kind in PREDECLARED_EXCHANGES.items()}
+        self.defs = Definitions()
         self.stats: dict[str, dict] = {}
         self.samples: dict[str, dict] = {}
         self.selector = selectors.DefaultSelector()
         self.running = True
         self.exit_code = EXIT_OK
         self.deaths: list[dict] = []
+        self.restarts = lifecycle.RestartBook()
+        self.incarnations: dict[str, int] = {}
         self.alarms: dict[str, dict] = {}
+        self.watchdog_limits: dict = {}
+        self.ctl_waiting: list = []           # ctl clients waiting for the watchdog's answer, in order
+        self.replies_after_tokens: list = []  # answers held until every reader has its alarm tokens
         self.paging = False
+        self.accept_paused_until = 0.0
         self.telemetry = telemetry.Recorder(cfg.data_dir)
         self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -157,18 +177,11 @@ class Supervisor:
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
         self.ctl_path = os.path.join(cfg.data_dir, "ctl.sock")
-        if os.path.exists(self.ctl_path):
-            os.unlink(self.ctl_path)
-        self.ctl_server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.ctl_server.bind(self.ctl_path)
-        self.ctl_server.listen(16)
-        self.ctl_server.setblocking(False)
-        self.ctl_clients: dict[int, tuple[socket.socket, bytearray]] = {}
+        self.ctl = CtlServer(self.ctl_path, self.selector, self.ctl_request)
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.selector.register(self.listener, selectors.EVENT_READ, ("listen", None))
-        self.selector.register(self.ctl_server, selectors.EVENT_READ, ("ctl_server", None))
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("signal", None))
         self.log("info", [f"Starting creditflow broker (run {self.run_id}) on {cfg.host}:{self.port}, "
                           f"data dir {cfg.data_dir}"])
@@ -180,14 +193,30 @@ class Supervisor:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
         for line in lines:
             text = f"{stamp} [{level}] {line}" if line else ""
-            print(text, file=self.out, flush=True)
+            try:
+                print(text, file=self.out, flush=True)
+            except (OSError, ValueError):
+                pass
             self.telemetry.log(level, line)
 
     # -- spawning ------------------------------------------------------------------
-    def spawn(self, name: str, kind: str, factory, extra_keep: tuple[int, ...] = (), owner=None) -> Proc:
-        inbox_r, inbox_w = os.pipe()
-        doorbell = Doorbell()
-        parent_ctl, child_ctl = control.socketpair()
+    def spawn(self, name: str, kind: str, factory, extra_keep: tuple[int, ...] = (), **info) -> Proc | None:
+        """Fork a stage; None (and a log line) if the machine refuses a process or a descriptor."""
+        try:
+            inbox_r, inbox_w = os.pipe()
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: {exc}"])
+            return None
+        endpoints = [inbox_r, inbox_w]
+        try:
+            doorbell = Doorbell()
+            endpoints.append(doorbell)
+            parent_ctl, child_ctl = control.socketpair()
+            endpoints += [parent_ctl, child_ctl]
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: {exc}"])
+            _close_endpoints(endpoints)
+            return None
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
         try:
             pid = os.fork()
@@ -206,32 +235,42 @@ class Supervisor:
                     traceback.print_exc()
                 finally:
                     os._exit(code)
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: fork failed: {exc}"])
+            _close_endpoints(endpoints)
+            return None
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         os.close(inbox_r)
         child_ctl.close()
-        for fd in extra_keep:
-            os.close(fd)
-        proc = Proc(name, kind, pid, parent_ctl, inbox_w, doorbell, owner=owner)
+        os.set_blocking(inbox_w, False)
+        proc = Proc(name, kind, pid, parent_ctl, control.Outbox(parent_ctl), inbox_w, doorbell, factory=factory,
+                    **info)
         self.procs[name] = proc
         self.by_pid[pid] = proc
         self.selector.register(parent_ctl, selectors.EVENT_READ, ("proc", name))
         self.telemetry.event("spawn", name, {"pid": pid, "kind": kind})
         return proc
 
-    def make_link(self, sender: str, receiver: str, flow: bool, spec: CreditSpec | None = None) -> int:
+    def make_link(self, sender: str, receiver: str, flow: bool, spec: CreditSpec | None = None) -> int | None:
+        """A ring from ``sender`` to ``receiver``; None when either is not running (it ended, or is ending)."""
+        s, r = self.procs.get(sender), self.procs.get(receiver)
+        if s is None or r is None or s.state != "running" or r.state != "running":
+            return None
         link_id = self.next_link
         self.next_link += 1
-        seg, _ring = shm.create_ring(self.owner, f"l{link_id}", self.cfg.ring_bytes)
-        rec = LinkRec(link_id, sender, receiver, seg, flow)
-        self.links[link_id] = rec
-        s, r = self.procs[sender], self.procs[receiver]
-        spec_list = [spec.initial, spec.more_after] if spec is not None else None
-        base = {"type": "attach", "link": link_id, "ring": seg.name, "flow": flow, "spec": spec_list}
-        control.send_msg(s.ctl, {**base, "role": "out", "peer": receiver}, [r.inbox_w, r.doorbell.fileno()])
-        control.send_msg(r.ctl, {**base, "role": "in", "peer": sender}, [s.inbox_w])
+        try:
+            seg, _ring = shm.create_ring(self.owner, f"l{link_id}", self.cfg.ring_bytes)
+        except OSError as exc:
+            self.log("error", [f"cannot make a ring from {sender} to {receiver}: {exc}"])
+            return None
+        self.links[link_id] = LinkRec(link_id, sender, receiver, seg, flow)
         s.links.add(link_id)
         r.links.add(link_id)
+        spec_list = [spec.initial, spec.more_after] if spec is not None else None
+        base = {"type": "attach", "link": link_id, "ring": seg.name, "flow": flow, "spec": spec_list}
+        self.tell(s, {**base, "role": "out", "peer": receiver}, [r.inbox_w, r.doorbell.fileno()])
+        self.tell(r, {**base, "role": "in", "peer": sender}, [s.inbox_w])
         return link_id
 
     def link_between(self, sender: str, receiver: str) -> int | None:
@@ -240,8 +279,39 @@ class Supervisor:
                 return rec.link_id
         return None
 
+    def tell(self, proc: Proc, msg: dict, fds=()) -> None:
+        try:
+            proc.outbox.put(msg, fds)
+        except OSError as exc:          # out of descriptors for the duplicates
+            self.log("error", [f"cannot send {msg.get('type')} to {proc.name}: {exc}"])
+            return
+        self.want_write(proc)
+
+    def want_write(self, proc: Proc) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if len(proc.outbox) else 0)
+        try:
+            if self.selector.get_key(proc.ctl).events != events:
+                self.selector.modify(proc.ctl, events, ("proc", proc.name))
+        except (KeyError, ValueError):
+            pass
+
+    def token(self, proc: Proc, kind, link: int, value: int) -> None:
+        proc.tokens += tokens.encode(kind, link, value)
+        self.flush_tokens(proc)
+
+    def flush_tokens(self, proc: Proc) -> None:
+        while proc.tokens:
+            try:
+                n = os.write(proc.inbox_w, proc.tokens[:4096 - 4096 % tokens.TOKEN_BYTES])
+            except BlockingIOError:
+                return
+            except OSError:                 # its reader is gone: nobody to tell
+                proc.tokens.clear()
+                return
+            del proc.tokens[:n]
+
     # -- the stages ------------------------------------------------------------------
-    def start_store(self) -> None:
+    def start_store(self) -> Proc | None:
         from pipeline.store import Store
         cfg = self.cfg
         store_dir = os.path.join(cfg.data_dir, "msg_store")
@@ -252,13 +322,14 @@ class Supervisor:
                          fsync_interval_ms=cfg.fsync_interval_ms, fsync_delay_ms=cfg.fsync_delay_ms,
                          confirm_after=cfg.confirm_after, queues_dir=os.path.join(cfg.data_dir, "queues"),
                          file_size_limit_bytes=cfg.store_file_bytes)
-        self.spawn("store", "store", factory)
+        return self.spawn("store", "store", factory)
 
-    def start_watchdog(self) -> None:
+    def start_watchdog(self) -> Proc | None:
         if not self.cfg.watchdog:
-            return
+            return None
         from alarms.watchdog import watchdog_main
-        wcfg = dict(self.cfg.watchdog)
+        wcfg = {**self.cfg.watchdog, **self.watchdog_limits}
+        alarmed = frozenset(src for src, a in self.alarms.items() if a.get("state") == "set")
         sup = os.getpid()
         data_dir = self.cfg.data_dir
         node = self.cfg.node
@@ -268,38 +339,62 @@ class Supervisor:
                 self.ctl = ctl
 
             def run(self):
-                return watchdog_main(self.ctl, data_dir=data_dir, node=node, supervisor_pid=sup, **wcfg)
+                return watchdog_main(self.ctl, data_dir=data_dir, node=node, supervisor_pid=sup, alarmed=alarmed,
+                                     **wcfg)
 
-        self.spawn("watchdog", "watchdog", lambda ctl, inbox, bell: _Watchdog(ctl))
+        return self.spawn("watchdog", "watchdog", lambda ctl, inbox, bell: _Watchdog(ctl))
 
     def accept(self) -> None:
         while True:
             try:
                 sock, addr = self.listener.accept()
-            except BlockingIOError:
+            except (BlockingIOError, InterruptedError):
                 return
-            n = self.next_conn
-            self.next_conn += 1
-            name = f"reader-{n}"
-            cfg = self.cfg
-            readers = sum(1 for p in self.procs.values() if p.kind == "reader")
-            refuse = None
-            if readers >= cfg.connection_max:
-                refuse = (f"NOT_ALLOWED - access to vhost '/' refused for user 'guest': connection limit "
-                          f"({cfg.connection_max}) is reached")
-            alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
-            fd = sock.detach()
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.pause_accepting(f"cannot accept a connection: {exc}")
+                return               # ECONNABORTED and the like: that client gave up
+            self.start_reader(sock, addr)
 
-            def factory(ctl, inbox, bell, fd=fd, name=name, refuse=refuse, alarms=alarms):
-                from pipeline.reader import Reader
-                return Reader(name, ctl, inbox, bell, cfg.credit, socket.socket(fileno=fd),
-                              node_name=cfg.node, heartbeat_s=cfg.heartbeat_s, frame_max=cfg.frame_max,
-                              channel_max=cfg.channel_max, max_message_bytes=cfg.max_message_bytes,
-                              refuse=refuse, alarms=alarms)
-            self.spawn(name, "reader", factory, extra_keep=(fd,))
+    def pause_accepting(self, why: str) -> None:
+        self.log("warning", [f"{why}; not accepting for {ACCEPT_PAUSE_S} s"])
+        self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
+        try:
+            self.selector.unregister(self.listener)
+        except (KeyError, ValueError):
+            pass
+
+    def resume_accepting(self) -> None:
+        if self.accept_paused_until and time.monotonic() >= self.accept_paused_until and self.running:
+            self.accept_paused_until = 0.0
+            self.selector.register(self.listener, selectors.EVENT_READ, ("listen", None))
+
+    def start_reader(self, sock: socket.socket, addr) -> None:
+        n = self.next_conn
+        self.next_conn += 1
+        name = f"reader-{n}"
+        cfg = self.cfg
+        readers = sum(1 for p in self.procs.values() if p.kind == "reader")
+        refuse = None
+        if readers >= cfg.connection_max:
+            refuse = (f"NOT_ALLOWED - access to vhost '/' refused for user 'guest': connection limit "
+                      f"({cfg.connection_max}) is reached")
+        alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
+        fd = sock.detach()
+        peer = f"{addr[0]}:{addr[1]} -> {cfg.host}:{self.port}"
+
+        def factory(ctl, inbox, bell, fd=fd, name=name, refuse=refuse, alarms=alarms):
+            from pipeline.reader import Reader
+            return Reader(name, ctl, inbox, bell, cfg.credit, socket.socket(fileno=fd),
+                          node_name=cfg.node, heartbeat_s=cfg.heartbeat_s, frame_max=cfg.frame_max,
+                          channel_max=cfg.channel_max, max_message_bytes=cfg.max_message_bytes,
+                          refuse=refuse, alarms=alarms)
+        proc = self.spawn(name, "reader", factory, extra_keep=(fd,), peer=peer)
+        os.close(fd)                 # the reader has its own copy now (or, if none started, the client is dropped)
+        if proc is not None:
             self.telemetry.event("connection", name, {"peer": f"{addr[0]}:{addr[1]}"})
 
-    def open_channel(self, reader: Proc, number: int) -> None:
+    def open_channel(self, reader: Proc, number: int, cancel_notify: bool) -> None:
         cfg = self.cfg
         name = f"channel-{reader.name.split('-', 1)[1]}.{number}"
         if name in self.procs:  # the same number reopened while its old process is still stopping
@@ -308,87 +403,128 @@ class Supervisor:
         def factory(ctl, inbox, bell):
             from pipeline.channel import Channel
             return Channel(name, ctl, inbox, bell, cfg.credit, number=number, reader=reader.name,
-                           frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us)
-        chan = self.spawn(name, "channel", factory, owner=reader.name)
-        self.tell(chan, {"type": "exchanges", "table": self.exchanges})
+                           frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us, cancel_notify=cancel_notify)
+        chan = self.spawn(name, "channel", factory, owner=reader.name, number=number)
+        if chan is None:
+            self.tell(reader, {"type": "channel_refused", "channel": number, "code": 541,
+                               "text": "INTERNAL_ERROR - cannot start a channel process"})
+            return
+        self.tell(chan, {"type": "exchanges", "table": self.defs.exchange_table()})
         out = self.make_link(reader.name, name, flow=not cfg.credit.disabled)
         inp = self.make_link(name, reader.name, flow=False)
-        control.send_msg(reader.ctl, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
+        if out is not None and inp is not None:
+            self.tell(reader, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
 
-    def ensure_queue(self, name: str, durable: bool, exclusive: bool, auto_delete: bool) -> str:
-        pname = f"queue-{name}"
-        if name in self.queues:
-            return pname
+    def queue_factory(self, name: str, durable: bool, exclusive: bool, auto_delete: bool):
         cfg = self.cfg
-
-        journal_dir = os.path.join(cfg.data_dir, "queues", urllib.parse.quote(name, safe=""))
+        pname = f"queue-{name}"
+        fname = names.file_name(name)
+        journal_dir = os.path.join(cfg.data_dir, "queues", fname)
+        legacy = names.legacy_file_name(name)
+        if legacy and legacy != fname and os.path.isdir(os.path.join(cfg.data_dir, "queues", legacy)) \
+                and not os.path.exists(journal_dir):
+            os.replace(os.path.join(cfg.data_dir, "queues", legacy), journal_dir)
         store_dir = os.path.join(cfg.data_dir, "msg_store")
+        page_path = os.path.join(cfg.data_dir, "paged", fname + ".pages")
+        incarnation = self.incarnations[pname] = self.incarnations.get(pname, -1) + 1
 
         def factory(ctl, inbox, bell):
             from pipeline.queue import Queue
             return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=durable,
                          exclusive=exclusive, auto_delete=auto_delete, store_spec=cfg.store_credit,
                          delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id,
-                         journal_dir=journal_dir, store_dir=store_dir,
-                         page_path=os.path.join(cfg.data_dir, "paged", urllib.parse.quote(name, safe="") + ".pages"))
-        queue_proc = self.spawn(pname, "queue", factory)
-        if self.paging:
-            self.tell(queue_proc, {"type": "page", "on": True})
-        self.queues[name] = {"proc": pname, "durable": durable}
+                         journal_dir=journal_dir, store_dir=store_dir, page_path=page_path,
+                         incarnation=incarnation)
+        return factory
+
+    def ensure_queue(self, name: str, durable: bool, exclusive: bool, auto_delete: bool) -> Refused | None:
+        if name in self.defs.queues:
+            return None
+        made = self.defs.add_queue(name, durable=durable, exclusive=exclusive, auto_delete=auto_delete)
+        if isinstance(made, Refused):
+            return made
+        proc = self.start_queue(name, durable, exclusive, auto_delete)
+        if proc is None:
+            del self.defs.queues[name]
+            return Refused(541, f"INTERNAL_ERROR - cannot start a process for queue '{name}'")
         if durable:
             self.save_definitions()
-        self.make_link(pname, "store", flow=not cfg.store_credit.disabled, spec=cfg.store_credit)
-        self.make_link("store", pname, flow=False)
-        for proc in self.procs.values():
-            if proc.kind == "channel":
-                self.tell(proc, {"type": "queue_created", "queue": name})
-        return pname
+        for p in self.procs.values():
+            if p.kind == "channel":
+                self.tell(p, {"type": "queue_created", "queue": name})
+        return None
+
+    def start_queue(self, name: str, durable: bool, exclusive: bool, auto_delete: bool) -> Proc | None:
+        pname = f"queue-{name}"
+        proc = self.spawn(pname, "queue", self.queue_factory(name, durable, exclusive, auto_delete))
+        if proc is None:
+            return None
+        if self.paging:
+            self.tell(proc, {"type": "page", "on": True})
+        self.link_queue_store(proc)
+        return proc
+
+    def link_queue_store(self, queue: Proc) -> None:
+        self.make_link(queue.name, "store", flow=not self.cfg.store_credit.disabled, spec=self.cfg.store_credit)
+        self.make_link("store", queue.name, flow=False)
 
     def link_channel_queue(self, channel: Proc, queue: str) -> None:
-        info = self.queues.get(queue)
-        if info is None or info["proc"] not in self.procs:
-            self.tell(channel, {"type": "no_queue", "queue": queue})
+        qdef = self.defs.queues.get(queue)
+        qname = f"queue-{queue}"
+        if qdef is None or qdef.down or qname not in self.procs:
+            refused = queue_stopped(queue) if qdef is not None else not_found_queue(queue)
+            self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code, "text": refused.text})
             return
-        qname = info["proc"]
         out = self.link_between(channel.name, qname)
         inp = self.link_between(qname, channel.name)
         if out is None:
             out = self.make_link(channel.name, qname, flow=not self.cfg.credit.disabled)
             inp = self.make_link(qname, channel.name, flow=False)
+            if out is None or inp is None:      # the queue is ending: nothing can be linked to it now
+                refused = queue_stopped(queue)
+                self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code,
+                                    "text": refused.text})
+                return
         reader = self.procs.get(channel.owner)
         if reader is not None and self.link_between(qname, reader.name) is None:
             link = self.make_link(qname, reader.name, flow=False)
-            self.tell(reader, {"type": "queue_link", "link": link, "queue": queue})
+            if link is not None:
+                self.tell(reader, {"type": "queue_link", "link": link, "queue": queue})
         self.tell(channel, {"type": "queue_linked", "queue": queue, "out": out, "in": inp})
 
-    def tell(self, proc: Proc, msg: dict) -> None:
-        try:
-            control.send_msg(proc.ctl, msg)
-        except (OSError, PeerGone):
-            pass
-
-    def token(self, proc: Proc, kind, link: int, value: int) -> None:
-        try:
-            os.write(proc.inbox_w, tokens.encode(kind, link, value))
-        except OSError:
-            pass
-
     # -- messages from stages -----------------------------------------------------------
-    def on_proc_msg(self, name: str) -> None:
+    def on_proc_ready(self, name: str, events: int) -> None:
         proc = self.procs.get(name)
         if proc is None:
             return
-        while True:
+        if events & selectors.EVENT_WRITE:
+            proc.outbox.flush_nowait()
+            self.want_write(proc)
+        if events & selectors.EVENT_READ:
+            self.on_proc_msg(proc)
+
+    def on_proc_msg(self, proc: Proc) -> None:
+        for _ in range(256):                  # then let the rest of the loop run; select comes back here
             try:
                 msg, fds = control.recv_msg_nowait(proc.ctl)
             except WouldBlock:
                 return
+            except CorruptRecord as exc:
+                self.log("error", [f"dropped a corrupt control message from {proc.name}: {exc}"])
+                continue
             except (PeerGone, OSError):
-                self.selector.unregister(proc.ctl)
+                try:
+                    self.selector.unregister(proc.ctl)   # it is ending; SIGCHLD reaps it
+                except (KeyError, ValueError):
+                    pass
                 return
             for fd in fds:
                 os.close(fd)
-            self.handle(proc, msg)
+            try:
+                self.handle(proc, msg)
+            except Exception:   # one bad message must not take the broker down
+                self.log("error", [f"error handling {msg.get('type')!r} from {proc.name}:",
+                                   *traceback.format_exc().rstrip().splitlines()])
 
     def handle(self, proc: Proc, msg: dict) -> None:
         kind = msg.get("type")
@@ -401,102 +537,77 @@ class Supervisor:
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
         elif kind == "open_channel":
-            self.open_channel(proc, msg["channel"])
+            if proc.kind == "reader" and proc.state == "running":
+                self.open_channel(proc, int(msg["channel"]), bool(msg.get("cancel_notify")))
         elif kind == "close_channel":
             pass  # the channel process exits by itself; reaping tears its links down
         elif kind == "link_queue":
             self.link_channel_queue(proc, msg["queue"])
         elif kind == "declare_queue":
-            queue = msg["queue"]
-            if queue not in self.queues and not msg.get("passive"):
-                self.ensure_queue(queue, bool(msg.get("durable")), bool(msg.get("exclusive")),
-                                  bool(msg.get("auto_delete")))
-            self.link_channel_queue(proc, queue)
+            self.declare_queue(proc, msg)
         elif kind in ("declare_exchange", "bind", "unbind"):
             self.tell(proc, {"type": "reply", **self.exchange_op(kind, msg)})
         elif kind == "alarm":
             self.on_alarm(msg)
-
         elif kind == "reply":
-            self.pending_reply(msg)
+            self.watchdog_reply(msg)
+
+    def declare_queue(self, channel: Proc, msg: dict) -> None:
+        queue = msg["queue"]
+        if queue not in self.defs.queues and not msg.get("passive"):
+            refused = self.ensure_queue(queue, bool(msg.get("durable")), bool(msg.get("exclusive")),
+                                        bool(msg.get("auto_delete")))
+            if refused is not None:
+                self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code, "text": refused.text})
+                return
+        self.link_channel_queue(channel, queue)
 
     # -- exchanges and bindings (global, so kept here; every channel gets a copy) -----------------
     def exchange_op(self, kind: str, msg: dict) -> dict:
         name = msg["exchange"]
         if kind == "declare_exchange":
-            if name == "" or name == "amq.default":
-                return {"ok": True}
-            ex = self.exchanges.get(name)
-            if ex is None:
-                if msg.get("passive"):
-                    return {"ok": False, "code": 404, "text": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
-                if msg["kind"] not in EXCHANGE_TYPES:
-                    return {"ok": False, "code": 503, "text": f"COMMAND_INVALID - unknown exchange type "
-                                                              f"'{msg['kind']}'"}
-                if name.startswith("amq."):
-                    return {"ok": False, "code": 403, "text": f"ACCESS_REFUSED - exchange name '{name}' contains "
-                                                              "reserved prefix 'amq.*'"}
-                self.exchanges[name] = {"type": msg["kind"], "durable": bool(msg.get("durable")), "bindings": []}
+            made = self.defs.declare_exchange(name, msg["kind"], durable=bool(msg.get("durable")),
+                                              passive=bool(msg.get("passive")))
+            if isinstance(made, Refused):
+                return {"ok": False, "code": made.code, "text": made.text}
+            if made:
                 self.broadcast_exchange(name)
                 if msg.get("durable"):
                     self.save_definitions()
-            elif not msg.get("passive") and ex["type"] != msg["kind"]:
-                return {"ok": False, "code": 406, "text": f"PRECONDITION_FAILED - inequivalent arg 'type' for "
-                                                          f"exchange '{name}' in vhost '/': received "
-                                                          f"'{msg['kind']}' but current is '{ex['type']}'"}
             return {"ok": True}
-        queue, key = msg["queue"], msg.get("routing_key", "")
-        if name == "":
-            return {"ok": False, "code": 403, "text": "ACCESS_REFUSED - operation not permitted on the default "
-                                                     "exchange"}
-        ex = self.exchanges.get(name)
-        if ex is None:
-            return {"ok": False, "code": 404, "text": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
-        if queue not in self.queues:
-            return {"ok": False, "code": 404, "text": f"NOT_FOUND - no queue '{queue}' in vhost '/'"}
-        binding = [queue, key]
-        if kind == "bind" and binding not in ex["bindings"]:
-            ex["bindings"].append(binding)
-        elif kind == "unbind" and binding in ex["bindings"]:
-            ex["bindings"].remove(binding)
+        ex = self.defs.bind(name, msg["queue"], msg.get("routing_key", ""), unbind=kind == "unbind")
+        if isinstance(ex, Refused):
+            return {"ok": False, "code": ex.code, "text": ex.text}
         self.broadcast_exchange(name)
-        if ex.get("durable"):
+        if ex.durable:
             self.save_definitions()
         return {"ok": True}
 
     def save_definitions(self) -> None:
-        """Durable queues, exchanges and their bindings, so a restart on this data dir brings them back."""
-        durable_queues = {q for q, info in self.queues.items() if info["durable"]}
-        exchanges = {name: {"type": ex["type"], "bindings": [b for b in ex["bindings"] if b[0] in durable_queues]}
-                     for name, ex in self.exchanges.items() if ex.get("durable")}
-        path = os.path.join(self.cfg.data_dir, "definitions.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump({"queues": sorted(durable_queues), "exchanges": exchanges}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(path + ".tmp", path)
+        try:
+            self.defs.save(self.cfg.data_dir)
+        except OSError as exc:
+            self.log("error", [f"could not save durable definitions: {exc}"])
 
     def load_definitions(self) -> None:
-        path = os.path.join(self.cfg.data_dir, "definitions.json")
-        try:
-            with open(path) as f:
-                defs = json.load(f)
-        except FileNotFoundError:
-            return
-        for name in defs.get("queues", []):
-            self.ensure_queue(name, durable=True, exclusive=False, auto_delete=False)
-        for name, ex in defs.get("exchanges", {}).items():
-            mine = self.exchanges.setdefault(name, {"type": ex["type"], "durable": True, "bindings": []})
-            for b in ex["bindings"]:
-                if b not in mine["bindings"]:
-                    mine["bindings"].append(b)
-        self.log("info", [f"recovered {len(defs.get('queues', []))} durable queues and "
-                          f"{len(defs.get('exchanges', {}))} durable exchanges from {path}"])
+        path = os.path.join(self.cfg.data_dir, DEFINITIONS_FILE)
+        found = os.path.exists(path)
+        queues, problems = self.defs.load(self.cfg.data_dir)
+        if problems:
+            self.log("warning", problems)
+        for name in queues:
+            if self.start_queue(name, durable=True, exclusive=False, auto_delete=False) is None:
+                self.defs.queues[name].down = True
+        if found:
+            durable_exchanges = sum(1 for ex in self.defs.exchanges.values() if ex.durable)
+            self.log("info", [f"recovered {len(queues)} durable queues and {durable_exchanges} durable exchanges "
+                              f"from {path}"])
 
     def broadcast_exchange(self, name: str) -> None:
+        table = self.defs.exchange_table([name])
         for p in self.procs.values():
             if p.kind == "channel":
-                self.tell(p, {"type": "exchanges", "table": {name: self.exchanges[name]}})
+                self.tell(p, {"type": "exchanges", "table": table})
 
     # -- paging -------------------------------------------------------------------------
     def check_paging(self, st: dict) -> None:
@@ -526,77 +637,49 @@ class Supervisor:
         self.alarms[source] = {**msg, "at_ns": msg.get("at_ns", time.monotonic_ns())}
         self.telemetry.event("alarm_" + state, source, msg)
         kind = TokenKind.ALARM_SET if state == "set" else TokenKind.ALARM_CLEAR
-        value = 1 if source == "memory" else 2
+        value = tokens.ALARM_MEMORY if source == "memory" else tokens.ALARM_DISK
         for p in self.procs.values():
             if p.kind == "reader":
                 self.token(p, kind, 0, value)
 
-    def pending_reply(self, msg: dict) -> None:
-        waiting = getattr(self, "_ctl_waiting", None)
-        if waiting:
-            client = waiting.pop(0)
-            self.ctl_send(client, msg)
+    def watchdog_reply(self, msg: dict) -> None:
+        """The watchdog's answer to a ctl request; it goes out once every reader holds its alarm tokens."""
+        if not self.ctl_waiting:
+            return
+        client, value_key, value = self.ctl_waiting.pop(0)
+        if msg.get("ok"):
+            self.watchdog_limits[value_key] = value        # a restarted watchdog keeps what ctl set
+        self.replies_after_tokens.append((client, {k: v for k, v in msg.items() if k != "type"}))
+        self.send_held_replies()
+
+    def send_held_replies(self) -> None:
+        if not self.replies_after_tokens or any(p.tokens for p in self.procs.values() if p.kind == "reader"):
+            return
+        for client, reply in self.replies_after_tokens:
+            self.ctl.reply(client, reply)
+        self.replies_after_tokens.clear()
 
     # -- the ctl socket (creditflow ctl) ------------------------------------------------------
-    def on_ctl_accept(self) -> None:
-        try:
-            sock, _ = self.ctl_server.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        self.ctl_clients[sock.fileno()] = (sock, bytearray())
-        self.selector.register(sock, selectors.EVENT_READ, ("ctl_client", sock.fileno()))
-
-    def on_ctl_client(self, fd: int) -> None:
-        sock, buf = self.ctl_clients[fd]
-        try:
-            data = sock.recv(65536)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self.selector.unregister(sock)
-            sock.close()
-            del self.ctl_clients[fd]
-            return
-        buf += data
-        while b"\n" in buf:
-            line, _, rest = bytes(buf).partition(b"\n")
-            buf[:] = rest
-            try:
-                req = json.loads(line)
-            except ValueError:
-                self.ctl_send(sock, {"ok": False, "error": "request is not JSON"})
-                continue
-            self.ctl_request(sock, req)
-
-    def ctl_send(self, sock, msg: dict) -> None:
-        try:
-            sock.setblocking(True)
-            sock.sendall(json.dumps(msg, default=str).encode() + b"\n")
-            sock.setblocking(False)
-        except OSError:
-            pass
-
-    def ctl_request(self, sock, req: dict) -> None:
-        cmd = req.get("cmd")
+    def ctl_request(self, client, req: dict) -> dict | None:
+        cmd = req["cmd"]
         if cmd == "status":
-            self.ctl_send(sock, {"ok": True, **self.status()})
-        elif cmd == "alarms":
-            self.ctl_send(sock, {"ok": True, "alarms": self.alarms})
-        elif cmd in ("set_watermark", "set_disk_free_limit"):
+            return {"ok": True, **self.status()}
+        if cmd == "alarms":
+            return {"ok": True, "alarms": self.alarms}
+        if cmd in ("set_watermark", "set_disk_free_limit"):
             wd = self.procs.get("watchdog")
-            if wd is None:
-                self.ctl_send(sock, {"ok": False, "error": "no watchdog is running in this broker"})
-                return
-            self._ctl_waiting = getattr(self, "_ctl_waiting", []) + [sock]
-            self.tell(wd, {"type": cmd, "value": req.get("value")})
-        elif cmd == "stop":
-            self.ctl_send(sock, {"ok": True})
+            if wd is None or wd.state != "running":
+                return {"ok": False, "error": "no watchdog is running in this broker"}
+            if not isinstance(req.get("value"), (str, int, float)) or isinstance(req.get("value"), bool):
+                return {"ok": False, "error": f"{cmd} needs a value"}
+            key = "memory_limit" if cmd == "set_watermark" else "disk_limit"
+            self.ctl_waiting.append((client, key, req["value"]))
+            self.tell(wd, {"type": cmd, "value": req["value"]})
+            return None
+        if cmd == "stop":
             self.running = False
-        else:
-            self.ctl_send(sock, {"ok": False, "error": f"unknown command {cmd!r}"})
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def status(self) -> dict:
         now = time.monotonic_ns()
@@ -605,15 +688,18 @@ class Supervisor:
             proc = self.procs.get(name)
             processes[name] = {
                 **{k: v for k, v in st.items() if k not in ("type", "fsync_events", "state")},
-                "kind": st.get("kind"), "pid": st.get("pid"), "alive": proc is not None,
-                "state": state_at(st, now), "samples": self.samples.get(name, {}),
+                "kind": st.get("kind"), "pid": proc.pid if proc is not None else st.get("pid"),
+                "alive": proc is not None, "state": state_at(st, now), "samples": self.samples.get(name, {}),
+                "restarts": self.incarnations.get(name, 0),
             }
         links = {}
         for st in self.stats.values():
             links.update(st.get("links", {}))
+        queues = {name: {"proc": f"queue-{name}", "durable": q.durable, "down": q.down}
+                  for name, q in self.defs.queues.items()}
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
                 "now_ns": now, "processes": processes, "links": links, "alarms": self.alarms,
-                "deaths": self.deaths, "queues": self.queues}
+                "deaths": self.deaths, "queues": queues}
 
     def sample(self) -> None:
         """Every SAMPLE_INTERVAL_MS: count each process's reported state (for flow_fraction)."""
@@ -641,38 +727,125 @@ class Supervisor:
             proc = self.by_pid.pop(pid, None)
             if proc is None:
                 continue
-            code = os.waitstatus_to_exitcode(status)
-            self.ended(proc, code)
+            try:
+                self.ended(proc, os.waitstatus_to_exitcode(status))
+            except Exception:
+                self.log("error", [f"error handling the end of {proc.name}:",
+                                   *traceback.format_exc().rstrip().splitlines()])
 
     def ended(self, proc: Proc, code: int) -> None:
-        self.procs.pop(proc.name, None)
+        now = time.monotonic_ns()
+        verdict = lifecycle.on_exit(proc.kind, proc.state, code, broker_running=self.running, book=self.restarts,
+                                    name=proc.name, now_ns=now)
+        proc.state = verdict.state
+        if self.procs.get(proc.name) is proc:
+            del self.procs[proc.name]
         try:
             self.selector.unregister(proc.ctl)
         except (KeyError, ValueError):
             pass
+        proc.outbox.drop()
         proc.ctl.close()
-        normal = code == 0 and (proc.kind in ("reader", "channel") or proc.stopping or not self.running)
-        if not normal:
-            how = f"signal {-code}" if code < 0 else f"exit code {code}"
-            self.deaths.append({"name": proc.name, "kind": proc.kind, "pid": proc.pid, "how": how,
-                                "at_ns": time.monotonic_ns()})
-            self.log("error", [f"stage {proc.name} (pid {proc.pid}) died with {how}; "
-                               "notifying its peers and shutting down"])
-            self.telemetry.event("stage_died", proc.name, {"how": how})
-        if proc.kind == "reader":
-            for p in list(self.procs.values()):
-                if p.kind == "channel" and p.owner == proc.name:
-                    p.stopping = True
-                    self.tell(p, {"type": "stop"})
+        if verdict.crashed:
+            self.deaths.append({"name": proc.name, "kind": proc.kind, "pid": proc.pid, "how": verdict.how,
+                                "action": verdict.action, "at_ns": now})
+            self.log("error", [f"Supervisor {SUPERVISOR} had child {proc.name} (pid {proc.pid}) exit with reason "
+                               f"{verdict.how} in context child_terminated"])
+            self.telemetry.event("stage_died", proc.name, {"how": verdict.how, "action": verdict.action,
+                                                           "kind": proc.kind, "pid": proc.pid})
+        reason = "crashed" if verdict.crashed else "closed"
         for link_id in list(proc.links):
-            self.drop_link(link_id, gone=proc.name)
+            self.drop_link(link_id, gone=proc.name, reason=reason)
         os.close(proc.inbox_w)
         proc.doorbell.close()
-        if not normal and self.running:
+        getattr(self, f"after_{verdict.action}")(proc, verdict)
+
+    def after_forget(self, proc: Proc, verdict) -> None:
+        if proc.kind == "reader":
+            self.stop_channels_of(proc)
+
+    def after_close_connection(self, proc: Proc, verdict) -> None:
+        channels = self.stop_channels_of(proc)
+        self.log("error", [f"closing AMQP connection {proc.name} ({proc.peer}): its reader process died; "
+                           f"{channels} channel(s) closed, their consumers' unacked messages requeued"])
+
+    def after_internal_error(self, proc: Proc, verdict) -> None:
+        reader = self.procs.get(proc.owner or "")
+        self.log("error", [f"Channel error on connection {proc.owner} ({reader.peer if reader else '?'}), "
+                           f"channel {proc.number}: its process died ({verdict.how}); closing the connection "
+                           "with 541 INTERNAL_ERROR"])
+        if reader is not None:
+            self.tell(reader, {"type": "channel_crashed", "channel": proc.number,
+                               "text": f"INTERNAL_ERROR - channel {proc.number} process died ({verdict.how})"})
+
+    def after_restart(self, proc: Proc, verdict) -> None:
+        if proc.kind == "queue":
+            queue = proc.name[len("queue-"):]
+            qdef = self.defs.queues.get(queue)
+            self.log("warning", [f"Restarting crashed queue '{queue}' in vhost '/'."])
+            new = self.start_queue(queue, qdef.durable, qdef.exclusive, qdef.auto_delete) if qdef else None
+        elif proc.kind == "store":
+            self.log("warning", ["Restarting crashed message store msg_store_persistent for vhost '/': "
+                                 "it recovers its segments and the queues re-send what it had not written"])
+            new = self.start_store()
+            if new is not None:
+                for q in [p for p in self.procs.values() if p.kind == "queue"]:
+                    self.link_queue_store(q)
+        else:
+            self.log("warning", ["Restarting crashed memory and disk monitor; alarms are re-evaluated from a "
+                                 "fresh reading"])
+            for client, _, _ in self.ctl_waiting:
+                self.ctl.reply(client, {"ok": False, "error": "the watchdog restarted before it answered"})
+            self.ctl_waiting.clear()
+            new = self.start_watchdog()
+        if new is None:
+            self.after_give_up(proc, verdict)
+            return
+        self.log("info", [f"{proc.name} restarted as pid {new.pid}"])
+        self.deaths[-1]["restarted_pid"] = new.pid
+        self.telemetry.event("stage_restarted", proc.name, {"pid": new.pid, "was": proc.pid})
+
+    def after_queue_down(self, proc: Proc, verdict) -> None:
+        self.after_give_up(proc, verdict)
+
+    def after_stop_broker(self, proc: Proc, verdict) -> None:
+        self.after_give_up(proc, verdict)
+
+    def after_no_watchdog(self, proc: Proc, verdict) -> None:
+        self.after_give_up(proc, verdict)
+
+    def after_give_up(self, proc: Proc, verdict) -> None:
+        limit = f"{lifecycle.MAX_RESTARTS} restarts in {lifecycle.RESTART_PERIOD_S} s"
+        if proc.kind == "queue":
+            queue = proc.name[len("queue-"):]
+            if queue in self.defs.queues:
+                self.defs.queues[queue].down = True
+            what = f"queue '{queue}' in vhost '/' stays down; clients get 404"
+        elif proc.kind == "watchdog":
+            what = "the broker runs on without memory and disk alarms"
+            for client, _, _ in self.ctl_waiting:
+                self.ctl.reply(client, {"ok": False, "error": "the watchdog is down"})
+            self.ctl_waiting.clear()
+        else:
+            what = "the broker cannot run without its message store and stops"
             self.exit_code = EXIT_STAGE_DIED
             self.running = False
+        self.log("error", [f"Supervisor {SUPERVISOR}: child {proc.name} reached its restart intensity "
+                           f"({limit}) or could not start; {what}"])
+        self.telemetry.event("stage_given_up", proc.name, {"kind": proc.kind})
 
-    def drop_link(self, link_id: int, gone: str) -> None:
+    def stop_channels_of(self, reader: Proc) -> int:
+        channels = [p for p in self.procs.values() if p.kind == "channel" and p.owner == reader.name]
+        for p in channels:
+            self.stop_proc(p)
+        return len(channels)
+
+    def stop_proc(self, p: Proc) -> None:
+        if p.state == "running":
+            p.state = lifecycle.step(p.state, "stop")
+            self.tell(p, {"type": "stop"})
+
+    def drop_link(self, link_id: int, gone: str, reason: str) -> None:
         rec = self.links.pop(link_id, None)
         if rec is None:
             return
@@ -680,7 +853,7 @@ class Supervisor:
         peer = self.procs.get(other)
         if peer is not None:
             peer.links.discard(link_id)
-            self.token(peer, TokenKind.PEER_DOWN, link_id, 0)
+            self.tell(peer, {"type": "detach", "link": link_id, "reason": reason})
         try:
             rec.segment.close()
         except OSError:
@@ -693,26 +866,25 @@ class Supervisor:
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda *_: None)
         try:
-            self.start_store()
+            if self.start_store() is None:
+                raise RuntimeError("cannot start the message store")
             self.start_watchdog()
             self.load_definitions()
             self.write_broker_file()
             next_sample = time.monotonic()
             while self.running:
                 timeout = max(0.0, next_sample - time.monotonic())
-                for key, _ in self.selector.select(timeout):
-                    what, arg = key.data
-                    if what == "listen":
-                        self.accept()
-                    elif what == "proc":
-                        self.on_proc_msg(arg)
-                    elif what == "ctl_server":
-                        self.on_ctl_accept()
-                    elif what == "ctl_client":
-                        if arg in self.ctl_clients:
-                            self.on_ctl_client(arg)
-                    elif what == "signal":
-                        self.on_signals()
+                if any(p.tokens for p in self.procs.values()):
+                    timeout = min(timeout, TOKEN_RETRY_S)
+                if self.accept_paused_until:
+                    timeout = min(timeout, max(0.0, self.accept_paused_until - time.monotonic()))
+                for key, events in self.selector.select(timeout):
+                    self.dispatch(key.data, events)
+                for p in list(self.procs.values()):
+                    if p.tokens:
+                        self.flush_tokens(p)
+                self.send_held_replies()
+                self.resume_accepting()
                 if time.monotonic() >= next_sample:
                     next_sample += SAMPLE_INTERVAL_MS / 1000
                     if next_sample < time.monotonic():
@@ -720,12 +892,27 @@ class Supervisor:
                     self.sample()
                     self.telemetry.flush_if_due()
         except BaseException as exc:
-            self.log("error", [f"supervisor failed: {exc!r}"])
-            traceback.print_exc()
+            self.log("error", [f"supervisor failed: {exc!r}", *traceback.format_exc().rstrip().splitlines()])
             self.exit_code = EXIT_STAGE_CRASHED
         finally:
             self.stop_all()
         return self.exit_code
+
+    def dispatch(self, data, events: int) -> None:
+        what, arg = data
+        try:
+            if what == "listen":
+                self.accept()
+            elif what == "proc":
+                self.on_proc_ready(arg, events)
+            elif what == "ctl_server":
+                self.ctl.on_accept()
+            elif what == "ctl_client":
+                self.ctl.on_ready(arg, events)
+            elif what == "signal":
+                self.on_signals()
+        except Exception:       # whatever one event does wrong, the broker goes on
+            self.log("error", [f"error handling {what}:", *traceback.format_exc().rstrip().splitlines()])
 
     def on_signals(self) -> None:
         try:
@@ -749,6 +936,7 @@ class Supervisor:
 
     def stop_all(self) -> None:
         """Readers first, then channels, queues, watchdog, and the store last (after its final fsync)."""
+        self.running = False
         try:
             self.listener.close()
         except OSError:
@@ -756,16 +944,14 @@ class Supervisor:
         for kind in ("reader", "channel", "queue", "watchdog", "store"):
             group = [p for p in self.procs.values() if p.kind == kind]
             for p in group:
-                p.stopping = True
                 try:
                     os.kill(p.pid, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-                self.tell(p, {"type": "stop"})
+                self.stop_proc(p)
             deadline = time.monotonic() + STOP_GRACE_S
             while any(p.name in self.procs for p in group) and time.monotonic() < deadline:
-                self.drain_stats()
-                self.reap()
+                self.pump_while_stopping()
                 time.sleep(0.01)
             for p in group:
                 if p.name in self.procs:
@@ -785,18 +971,34 @@ class Supervisor:
                 pass
         self.owner.unlink_all()
         self.telemetry.close(self.status())
-        for path in (self.ctl_path, os.path.join(self.cfg.data_dir, "broker.json")):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        self.ctl.close()
+        try:
+            os.unlink(os.path.join(self.cfg.data_dir, "broker.json"))
+        except FileNotFoundError:
+            pass
         self.log("info", ["creditflow broker stopped"])
 
-    def drain_stats(self) -> None:
-        for key, _ in self.selector.select(0):
+    def pump_while_stopping(self) -> None:
+        """While stopping: take stages' statistics, pass on what they still send, reap those that ended."""
+        for key, events in self.selector.select(0):
             what, arg = key.data
             if what == "proc":
-                self.on_proc_msg(arg)
+                try:
+                    self.on_proc_ready(arg, events)
+                except Exception:
+                    pass
+        for p in list(self.procs.values()):
+            if p.tokens:
+                self.flush_tokens(p)
+        self.reap()
+
+
+def _close_endpoints(endpoints) -> None:
+    for e in endpoints:
+        try:
+            e.close() if hasattr(e, "close") else os.close(e)
+        except OSError:
+            pass
 
 
 def state_at(st: dict, now_ns: int) -> str:

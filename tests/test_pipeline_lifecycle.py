@@ -1,4 +1,4 @@
-"""Process lifecycle: a stage that dies, a test killed by its timeout, a run killed outright."""
+"""Process lifecycle: a test killed by its timeout, a run killed outright (stage deaths: test_supervision)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 
-import pika
 import psutil
 import pytest
 
@@ -17,21 +16,6 @@ from conftest import ROOT, Broker, creditflow_cmd, kill_group
 from ipc import shm
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
-
-
-def test_a_killed_queue_is_reported_and_the_broker_stops_with_exit_code_3(broker):
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
-    conn.channel().queue_declare("victim")
-    victim = broker.process("queue-victim")
-    run_id = broker.info["run_id"]
-    os.kill(victim["pid"], signal.SIGKILL)
-    assert broker.proc.wait(20) == 3
-    log = broker.output()
-    assert f"stage queue-victim (pid {victim['pid']}) died with signal 9" in log
-    assert "notifying its peers and shutting down" in log
-    assert not shm.leftover_names(run_id=run_id)
-    children = [p for p in psutil.process_iter(["cmdline"]) if str(broker.data_dir) in " ".join(p.info["cmdline"] or [])]
-    assert children == []
 
 
 def test_a_test_killed_by_its_timeout_leaves_no_process_and_no_shared_memory(tmp_path):

@@ -1,0 +1,325 @@
+"""Supervision with real processes: whatever one client does, or whichever stage dies, the broker goes on.
+
+Each death is handled where RabbitMQ handles it: a reader takes only its
+connection (its consumers' unacked messages go back), a channel has its
+connection closed with 541, a queue, the store and the watchdog are
+restarted. Checked as a client sees it: frames on the wire, reply codes,
+messages counted, and what ``ctl status`` and the log say.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import pika
+import pytest
+from pamqp import body as amqp_body, commands, frame, header
+
+from conftest import raw_amqp_connection
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
+
+
+def connect(broker, **kw) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port, **kw))
+
+
+def frames_until(sock: socket.socket, done, timeout_s: float = 10.0) -> list:
+    """Read frames until ``done(frames so far)``; the pamqp objects of method frames, in order."""
+    got, buf = [], b""
+    deadline = time.monotonic() + timeout_s
+    while not done(got):
+        left = deadline - time.monotonic()
+        assert left > 0, f"timed out; frames so far: {[type(f).__name__ for f in got]}"
+        sock.settimeout(left)
+        data = sock.recv(65536)
+        if not data:
+            break
+        buf += data
+        while True:
+            try:
+                used, _, value = frame.unmarshal(buf)
+            except Exception:
+                break
+            buf = buf[used:]
+            got.append(value)
+    return got
+
+
+def names(frames_seen) -> list[str]:
+    return [f.name for f in frames_seen if hasattr(f, "name")]
+
+
+def telemetry_events(broker, timeout_s: float = 5.0) -> set[str]:
+    """The kinds of event in the broker's telemetry (written out once a second)."""
+    path = broker.data_dir / "telemetry" / "events.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        seen = {json.loads(line)["event"] for line in path.read_text().splitlines() if line.strip()}
+        if "stage_restarted" in seen or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.2)
+
+
+def deaths(broker) -> list[dict]:
+    return broker.status()["deaths"]
+
+
+def test_clients_that_open_publish_and_close_at_once_never_stop_the_broker(broker):
+    keeper = connect(broker)
+    kept = keeper.channel()
+    kept.queue_declare("kept")
+    for i in range(60):
+        c = connect(broker)
+        ch = c.channel()
+        ch.queue_declare(f"q{i % 3}")
+        ch.basic_publish("", f"q{i % 3}", b"x")
+        ch.close()
+        c.close()
+    for i in range(60):      # and the rudest: publish on a fresh channel, then vanish without a close
+        s = raw_amqp_connection(broker.port)
+        s.sendall(frame.marshal(commands.Channel.Open(), 1)
+                  + frame.marshal(commands.Queue.Declare(queue=f"q{i % 3}"), 1)
+                  + frame.marshal(commands.Basic.Publish(exchange="", routing_key=f"q{i % 3}"), 1)
+                  + frame.marshal(header.ContentHeader(0, 1, commands.Basic.Properties()), 1)
+                  + frame.marshal(amqp_body.ContentBody(b"y"), 1))
+        s.close()
+    kept.basic_publish("", "kept", b"still here")
+    assert kept.basic_get("kept", auto_ack=True)[2] == b"still here"
+    assert broker.proc.poll() is None
+    assert deaths(broker) == []
+    assert "supervisor failed" not in broker.output()
+    keeper.close()
+
+
+def test_a_killed_reader_takes_only_its_connection_and_its_unacked_messages_go_back(broker):
+    other = connect(broker)
+    och = other.channel()
+    och.queue_declare("work")
+    for i in range(20):
+        och.basic_publish("", "work", str(i).encode())
+    victim = connect(broker)
+    vch = victim.channel()
+    vch.basic_qos(prefetch_count=10)
+    held = []
+    vch.basic_consume("work", lambda ch, m, p, body: held.append(body))
+    while len(held) < 10:
+        victim.process_data_events(0.1)
+    reader = broker.process("reader-2")
+    os.kill(reader["pid"], signal.SIGKILL)
+    broker.wait_for(lambda s: any(d["name"] == "reader-2" for d in s["deaths"]), what="the reader's death")
+    got = []
+    while True:
+        m = och.basic_get("work", auto_ack=True)
+        if m[0] is None:
+            break
+        got.append((m[2], m[0].redelivered))
+    assert sorted(int(b) for b, _ in got) == list(range(20)), "nothing lost, nothing twice"
+    assert {b for b, redelivered in got if redelivered} == set(held)
+    assert [b for b, _ in got[:10]] == held, "requeued messages come back first, in their order"
+    death = [d for d in deaths(broker) if d["name"] == "reader-2"][0]
+    assert (death["how"], death["action"]) == ("signal 9", "close_connection")
+    assert "closing AMQP connection reader-2" in broker.output()
+    other.close()
+
+
+def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on(broker):
+    bystander = connect(broker)
+    bch = bystander.channel()
+    bch.queue_declare("b")
+    victim = connect(broker)
+    victim.channel().queue_declare("v")
+    chan = broker.process("channel-2.1")
+    os.kill(chan["pid"], signal.SIGKILL)
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+        for _ in range(100):
+            victim.process_data_events(0.05)
+    assert closed.value.reply_code == 541
+    assert closed.value.reply_text.startswith("INTERNAL_ERROR")
+    bch.basic_publish("", "b", b"fine")
+    assert bch.basic_get("b", auto_ack=True)[2] == b"fine"
+    assert [d["action"] for d in deaths(broker)] == ["internal_error"]
+    bystander.close()
+
+
+def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consumers(broker):
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("dq", durable=True)
+    ch.confirm_delivery()
+    for i in range(50):
+        ch.basic_publish("", "dq", f"m{i}".encode(), properties=pika.BasicProperties(delivery_mode=2))
+    watcher = connect(broker)
+    wch = watcher.channel()
+    cancelled = []
+    wch.basic_qos(prefetch_count=1)
+    wch.basic_consume("dq", lambda *a: None)
+    wch.add_on_cancel_callback(lambda method: cancelled.append(method.method.consumer_tag))
+    watcher.process_data_events(0.3)
+    old = broker.process("queue-dq")
+    os.kill(old["pid"], signal.SIGKILL)
+    while not cancelled:
+        watcher.process_data_events(0.1)       # pika announces consumer_cancel_notify: basic.cancel
+    status = broker.wait_for(lambda s: s["processes"]["queue-dq"]["pid"] != old["pid"]
+                             and s["processes"]["queue-dq"].get("recovered") == 50, what="the restarted queue")
+    assert status["processes"]["queue-dq"]["alive"]
+    bodies = []
+    while True:
+        m = ch.basic_get("dq", auto_ack=True)
+        if m[0] is None:
+            break
+        bodies.append(m[2])
+    assert bodies == [f"m{i}".encode() for i in range(50)]
+    death = [d for d in deaths(broker) if d["name"] == "queue-dq"][0]
+    assert death["action"] == "restart" and death["restarted_pid"] not in (None, old["pid"])
+    log = broker.output()
+    assert "Restarting crashed queue 'dq' in vhost '/'." in log
+    assert {"stage_died", "stage_restarted"} <= telemetry_events(broker)
+    conn.close()
+    watcher.close()
+
+
+def test_publishes_a_crashed_queue_had_not_confirmed_are_nacked_never_acked(broker):
+    s = raw_amqp_connection(broker.port)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1) + frame.marshal(commands.Confirm.Select(), 1)
+              + frame.marshal(commands.Queue.Declare(queue="stuck", durable=True), 1))
+    frames_until(s, lambda got: "Queue.DeclareOk" in names(got))
+    queue = broker.process("queue-stuck")
+    os.kill(queue["pid"], signal.SIGSTOP)
+    props = commands.Basic.Properties(delivery_mode=2)
+    for _ in range(5):
+        s.sendall(frame.marshal(commands.Basic.Publish(exchange="", routing_key="stuck"), 1)
+                  + frame.marshal(header.ContentHeader(0, 4, props), 1) + frame.marshal(amqp_body.ContentBody(b"body"), 1))
+    time.sleep(0.5)
+    os.kill(queue["pid"], signal.SIGKILL)
+    got = frames_until(s, lambda got: sum(1 for f in got if f.name == "Basic.Nack") >= 5)
+    assert [f.delivery_tag for f in got if f.name == "Basic.Nack"] == [1, 2, 3, 4, 5]
+    assert not [f for f in got if f.name == "Basic.Ack"]
+    s.close()
+
+
+def test_a_consumer_that_did_not_ask_for_cancel_notify_has_its_channel_closed_when_its_queue_dies(broker):
+    s = raw_amqp_connection(broker.port)        # announces no capabilities
+    s.sendall(frame.marshal(commands.Channel.Open(), 1) + frame.marshal(commands.Queue.Declare(queue="cq"), 1)
+              + frame.marshal(commands.Basic.Consume(queue="cq", consumer_tag="c1"), 1))
+    frames_until(s, lambda got: "Basic.ConsumeOk" in names(got))
+    os.kill(broker.process("queue-cq")["pid"], signal.SIGKILL)
+    got = frames_until(s, lambda got: "Channel.Close" in names(got))
+    close = [f for f in got if f.name == "Channel.Close"][0]
+    assert close.reply_code == 541 and "c1" in close.reply_text
+    s.close()
+
+
+def test_a_killed_store_restarts_and_no_confirmed_message_is_lost(broker):
+    body = b"x" * 8192                           # over the embed limit: the store holds these
+    confirmed: list[int] = []
+    stop = threading.Event()
+    errors = []
+
+    def publish():
+        try:
+            c = connect(broker)
+            ch = c.channel()
+            ch.queue_declare("big", durable=True)
+            ch.confirm_delivery()
+            i = 0
+            while not stop.is_set():
+                try:
+                    ch.basic_publish("", "big", str(i).encode() + b":" + body,
+                                     properties=pika.BasicProperties(delivery_mode=2))
+                    confirmed.append(i)
+                except pika.exceptions.NackError:
+                    pass
+                i += 1
+            c.close()
+        except Exception as exc:   # noqa: BLE001 - reported by the test below
+            errors.append(exc)
+
+    t = threading.Thread(target=publish)
+    t.start()
+    deadline = time.monotonic() + 20
+    while len(confirmed) < 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store = broker.process("store")
+    os.kill(store["pid"], signal.SIGKILL)
+    broker.wait_for(lambda s: s["processes"]["store"]["pid"] != store["pid"], what="the restarted store")
+    at_kill = len(confirmed)
+    while len(confirmed) < at_kill + 200 and time.monotonic() < deadline + 20:
+        time.sleep(0.05)
+    stop.set()
+    t.join(30)
+    assert not errors, errors
+    assert len(confirmed) >= at_kill + 200, "publishing went on after the store came back"
+    c = connect(broker)
+    ch = c.channel()
+    seen = set()
+    while True:
+        m = ch.basic_get("big", auto_ack=True)
+        if m[0] is None:
+            break
+        assert m[2].endswith(body)
+        seen.add(int(m[2].split(b":", 1)[0]))
+    missing = set(confirmed) - seen
+    assert not missing, f"{len(missing)} confirmed messages lost"
+    assert [d["action"] for d in deaths(broker)] == ["restart"]
+    c.close()
+
+
+def test_a_killed_watchdog_restarts_and_re_evaluates_the_alarm(broker):
+    from pipeline.ctlclient import CtlClient
+    with CtlClient(str(broker.data_dir)) as ctl:
+        assert ctl.request("set_watermark", value="0")["memory_alarm"] is True
+        old = broker.process("watchdog")
+        os.kill(old["pid"], signal.SIGKILL)
+        broker.wait_for(lambda s: s["processes"]["watchdog"]["pid"] != old["pid"], what="the restarted watchdog")
+        time.sleep(0.5)
+        assert ctl.request("alarms")["alarms"]["memory"]["state"] == "set", "limit 0 still holds"
+        assert ctl.request("set_watermark", value="0.9")["memory_alarm"] is False
+        assert ctl.request("alarms")["alarms"]["memory"]["state"] == "clear"
+        assert [d["name"] for d in ctl.request("status")["deaths"]] == ["watchdog"]
+
+
+def test_a_thousand_pipelined_declares_are_answered_in_order_and_ctl_still_answers(broker):
+    s = raw_amqp_connection(broker.port)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1))
+    frames_until(s, lambda got: "Channel.OpenOk" in names(got))
+    s.sendall(b"".join(frame.marshal(commands.Queue.Declare(queue=f"p{i % 10}"), 1) for i in range(1000)))
+    got = frames_until(s, lambda got: names(got).count("Queue.DeclareOk") >= 1000, timeout_s=60)
+    assert [f.queue for f in got if f.name == "Queue.DeclareOk"] == [f"p{i % 10}" for i in range(1000)]
+    assert len(broker.status()["processes"]) > 0
+    s.close()
+
+
+def test_the_ctl_socket_refuses_bad_requests_and_a_client_that_never_reads_does_not_stall_the_broker(broker):
+    path = json.loads((broker.data_dir / "broker.json").read_text())["ctl"]
+    bad = socket.socket(socket.AF_UNIX)
+    bad.connect(path)
+    bad.settimeout(5)
+    bad.sendall(b"[]\nnot json\n{\"nocmd\": 1}\n")
+    answers = b""
+    while answers.count(b"\n") < 3:
+        answers += bad.recv(65536)
+    replies = [json.loads(line) for line in answers.splitlines()]
+    assert [r["ok"] for r in replies] == [False, False, False]
+    assert "not an object" in replies[0]["error"]
+    hog = socket.socket(socket.AF_UNIX)
+    hog.connect(path)
+    hog.setblocking(False)
+    sent = 0
+    try:
+        while sent < 20_000:                      # asks for status over and over, never reads a reply
+            hog.send(b'{"cmd":"status"}\n')
+            sent += 1
+    except BlockingIOError:
+        pass
+    conn = connect(broker)                        # the broker still serves clients and other ctl users
+    conn.channel().queue_declare("alive")
+    assert broker.status()["ok"] is True
+    conn.close()
+    hog.close()
+    bad.close()
