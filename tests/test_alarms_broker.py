@@ -163,3 +163,25 @@ def test_ctl_reports_alarms_and_refuses_bad_values(broker):
     with CtlClient(str(broker.data_dir)) as c:
         assert c.request("set_watermark", value="lots")["ok"] is False
         assert c.request("alarms")["alarms"] == {}
+
+
+def test_a_publish_sent_after_ctl_returns_meets_the_alarm(broker):
+    """ctl set-watermark returns once every reader holds the alarm, and a reader handles its inbox
+    before its socket: the first publish sent afterwards is read (RabbitMQ's `blocking` rule) and
+    the connection is then blocked, so a second one stays unread in the socket."""
+    for attempt in range(5):
+        queue = f"after-{attempt}"
+        w = Watched(broker)
+        w.ch.queue_declare(queue)
+        ctl(broker, "set_watermark", "0")
+        w.ch.basic_publish("", queue, b"first")
+        w.pump(0.5)
+        w.ch.basic_publish("", queue, b"second")
+        w.pump(0.5)
+        assert w.events == ["blocked:low on memory"], w.events
+        with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as other:
+            assert other.channel().queue_declare(queue, passive=True).method.message_count == 1
+        ctl(broker, "set_watermark", "0.6")
+        w.pump(0.5)
+        assert w.events == ["blocked:low on memory", "unblocked"]
+        w.conn.close()
