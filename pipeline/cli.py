@@ -267,6 +267,19 @@ def format_status(status: dict) -> str:
         lines.append(f"  {name:<24} {p.get('state'):<9} pid {p.get('pid')}{extra}")
     alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
+    deaths = status.get("deaths", [])
+    if deaths:
+        lines.append("deaths:")
+        now = status.get("now_ns", 0)
+        for d in deaths:
+            then = f"{(now - d['at_ns']) / 1e9:.1f} s ago" if now else ""
+            after = {"restart": f"restarted as pid {d.get('restarted_pid')}",
+                     "close_connection": "its connection closed",
+                     "internal_error": "its connection closed with 541",
+                     "queue_down": "given up: the queue stays down",
+                     "no_watchdog": "given up: no alarms",
+                     "stop_broker": "given up: the broker stops"}.get(d.get("action"), d.get("action", ""))
+            lines.append(f"  {d['name']:<24} pid {d['pid']} {d['how']}, {then}: {after}")
     return "\n".join(lines)
 
 

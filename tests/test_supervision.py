@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -20,7 +21,7 @@ import pika
 import pytest
 from pamqp import body as amqp_body, commands, frame, header
 
-from conftest import raw_amqp_connection
+from conftest import creditflow_cmd, raw_amqp_connection
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 
@@ -282,6 +283,10 @@ def test_a_killed_watchdog_restarts_and_re_evaluates_the_alarm(broker):
         assert ctl.request("set_watermark", value="0.9")["memory_alarm"] is False
         assert ctl.request("alarms")["alarms"]["memory"]["state"] == "clear"
         assert [d["name"] for d in ctl.request("status")["deaths"]] == ["watchdog"]
+    shown = subprocess.run(creditflow_cmd("ctl", "--data-dir", str(broker.data_dir), "status"), capture_output=True,
+                           text=True, timeout=30).stdout
+    row = shown.split("deaths:")[1]
+    assert "watchdog" in row and "signal 9" in row and "restarted as pid" in row
 
 
 def test_a_thousand_pipelined_declares_are_answered_in_order_and_ctl_still_answers(broker):
