@@ -602,15 +602,17 @@ def test_bad_input_on_an_open_connection_gets_the_right_reply_code(data, code, i
     assert text in close.reply_text
 
 
+EVERY_FIELD_TYPE = (
+    b"\x01tt\x01" b"\x01bb\xff" b"\x01BB\xff" b"\x01ss\xff\xff" b"\x01uu\xff\xff" b"\x01II\xff\xff\xff\xff"
+    b"\x01ii\xff\xff\xff\xff" b"\x01ll" + b"\xff" * 8 + b"\x01LL" + b"\xff" * 8 + b"\x01ff\x00\x00\x00\x00"
+    b"\x01dd" + b"\x00" * 8 + b"\x01DD\x02\x00\x00\x01\x00" b"\x01SS\x00\x00\x00\x01s" b"\x01xx\x00\x00\x00\x01x"
+    b"\x01TT" + b"\xff" * 8 + b"\x01VV" b"\x01FF\x00\x00\x00\x00" b"\x01AA\x00\x00\x00\x00")
 ACCEPTED_CASES = {
     "arguments nested 64 deep": queue_declare_with(arguments=nested_table(64)),
     "non-UTF-8 long string in arguments": queue_declare_with(arguments=struct.pack(">I", 9) + b"\x01aS"
                                                              + struct.pack(">I", 2) + b"\xff\xfe"),
-    "every field type RabbitMQ knows": queue_declare_with(arguments=(lambda t: struct.pack(">I", len(t)) + t)(
-        b"\x01tt\x01" b"\x01bb\xff" b"\x01BB\xff" b"\x01ss\xff\xff" b"\x01uu\xff\xff" b"\x01II\xff\xff\xff\xff"
-        b"\x01ii\xff\xff\xff\xff" b"\x01ll" + b"\xff" * 8 + b"\x01LL" + b"\xff" * 8 + b"\x01ff\x00\x00\x00\x00"
-        b"\x01dd" + b"\x00" * 8 + b"\x01DD\x02\x00\x00\x01\x00" b"\x01SS\x00\x00\x00\x01s" b"\x01xx\x00\x00\x00\x01x"
-        b"\x01TT" + b"\xff" * 8 + b"\x01VV" b"\x01FF\x00\x00\x00\x00" b"\x01AA\x00\x00\x00\x00")),
+    "every field type RabbitMQ knows": queue_declare_with(arguments=struct.pack(">I", len(EVERY_FIELD_TYPE))
+                                                          + EVERY_FIELD_TYPE),
     "a timestamp no datetime can hold": queue_declare_with(arguments=struct.pack(">I", 11) + b"\x01aT" + b"\xff" * 8),
 }
 
