@@ -34,6 +34,8 @@ from pipeline.amqp import frames
 from pipeline.stage import Stage, read_batch_for
 
 CHANNEL_FLOW = (20, 20)
+# AMQP 0-9-1's hard errors: the connection is closed, not just the channel
+HARD_ERROR_CODES = frozenset((320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541))
 
 
 class ChannelError(Exception):
@@ -218,7 +220,8 @@ class Channel(Stage):
             self.close()
 
     def on_publish(self, record) -> None:
-        self.send_grants(self.credit.ack(self.from_reader.link_id))
+        if self.from_reader is not None:
+            self.send_grants(self.credit.ack(self.from_reader.link_id))
         if self.closing:
             return
         if self.delay_ns:
@@ -425,9 +428,12 @@ class Channel(Stage):
         self.out_frames.append(frames.encode_method(self.number, method))
 
     def channel_error(self, err: ChannelError) -> None:
+        """Close the channel with ``err``; a hard error (AMQP's connection-level codes, as RabbitMQ
+        treats ``not_allowed`` or ``command_invalid``) closes the whole connection."""
         self.flush_frames()
         if self.to_reader is not None:
-            self.to_reader.put(wire.encode_control({"op": "channel_error", "channel": self.number,
+            op = "connection_error" if err.code in HARD_ERROR_CODES else "channel_error"
+            self.to_reader.put(wire.encode_control({"op": op, "channel": self.number,
                                                     "code": err.code, "text": err.text,
                                                     "class_id": err.class_id, "method_id": err.method_id}))
         self.closing = True
@@ -451,6 +457,13 @@ class Channel(Stage):
         self.flush_frames()
 
     def on_peer_down(self, link_id: int, reason: str) -> None:
+        if self.to_reader is not None and self.to_reader.link_id == link_id:
+            self.to_reader = None          # the reader is gone: nothing more can be said to the client
+            self.out_frames.clear()
+            return
+        if self.from_reader is not None and self.from_reader.link_id == link_id:
+            self.from_reader = None
+            return
         q = self.by_in_link.pop(link_id, None)
         if q is None:
             q = next((q for q in self.queues.values() if q.out.link_id == link_id), None)
@@ -469,7 +482,7 @@ class Channel(Stage):
         handle_consuming_queue_down). If it crashed, every publish it had not confirmed is nacked,
         whatever other queues it also went to; if it ended as it should, it counts as confirmed there.
         Its consumers are cancelled: basic.cancel to a client that announced consumer_cancel_notify;
-        a client that did not would wait forever, so after a crash its channel is closed."""
+        a client that did not would wait forever, so after a crash its channel is closed (404)."""
         if q.unconfirmed:
             if crashed:
                 self.nack(sorted(q.unconfirmed))
@@ -485,7 +498,8 @@ class Channel(Stage):
             for tag in tags:
                 self.reply(commands.Basic.Cancel(consumer_tag=tag, nowait=True))
         elif crashed:
-            self.channel_error(ChannelError(541, f"INTERNAL_ERROR - queue '{shown(q.name)}' in vhost '/' crashed; "
+            # a soft code: only this channel closes (AMQP's 541 would close the connection)
+            self.channel_error(ChannelError(404, f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' crashed; "
                                                  f"consumer{'s' if len(tags) > 1 else ''} "
                                                  f"{', '.join(tags)} cancelled"))
 

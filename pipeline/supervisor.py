@@ -28,6 +28,7 @@ fsync.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import json
@@ -45,6 +46,7 @@ from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
+from pipeline import channel as _channel, queue as _queue, reader as _reader, store as _store  # noqa: F401
 from pipeline import telemetry
 from pipeline.broker import lifecycle, names
 from pipeline.broker.ctl_server import CtlServer
@@ -60,6 +62,8 @@ RING_BYTES = 4 * 1024 * 1024
 STOP_GRACE_S = 3.0
 SAMPLE_INTERVAL_MS = 100
 UNTRACED_STATS_INTERVAL_MS = 1000   # --telemetry off: what status and the live view still need
+ENDED_KEPT = 256                    # ended processes whose last statistics ctl status still shows
+DEATHS_KEPT = 1000
 TOKEN_RETRY_S = 0.01                # a full inbox pipe: try the tokens again this soon
 ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for this long
 SUPERVISOR = "creditflow_sup"
@@ -161,6 +165,7 @@ class Supervisor:
         self.running = True
         self.exit_code = EXIT_OK
         self.deaths: list[dict] = []
+        self.ended_names: collections.deque = collections.deque()
         self.restarts = lifecycle.RestartBook()
         self.incarnations: dict[str, int] = {}
         self.alarms: dict[str, dict] = {}
@@ -469,6 +474,8 @@ class Supervisor:
         self.make_link("store", queue.name, flow=False)
 
     def link_channel_queue(self, channel: Proc, queue: str) -> None:
+        if channel.state != "running":
+            return                  # the channel is ending: there is nobody to answer
         qdef = self.defs.queues.get(queue)
         qname = f"queue-{queue}"
         if qdef is None or qdef.down or qname not in self.procs:
@@ -503,8 +510,9 @@ class Supervisor:
         if events & selectors.EVENT_READ:
             self.on_proc_msg(proc)
 
-    def on_proc_msg(self, proc: Proc) -> None:
-        for _ in range(256):                  # then let the rest of the loop run; select comes back here
+    def on_proc_msg(self, proc: Proc, limit: int = 256) -> None:
+        """Handle up to ``limit`` of its messages (then the loop goes on; select comes back here)."""
+        for _ in range(limit):
             try:
                 msg, fds = control.recv_msg_nowait(proc.ctl)
             except WouldBlock:
@@ -738,6 +746,7 @@ class Supervisor:
         verdict = lifecycle.on_exit(proc.kind, proc.state, code, broker_running=self.running, book=self.restarts,
                                     name=proc.name, now_ns=now)
         proc.state = verdict.state
+        self.on_proc_msg(proc, limit=100_000)   # what it said last (a log line, final statistics) still counts
         if self.procs.get(proc.name) is proc:
             del self.procs[proc.name]
         try:
@@ -746,6 +755,9 @@ class Supervisor:
             pass
         proc.outbox.drop()
         proc.ctl.close()
+        if not verdict.crashed and code != 0:
+            self.log("warning", [f"{proc.name} (pid {proc.pid}) exited with {verdict.how} while it was "
+                                 "ending"])
         if verdict.crashed:
             self.deaths.append({"name": proc.name, "kind": proc.kind, "pid": proc.pid, "how": verdict.how,
                                 "action": verdict.action, "at_ns": now})
@@ -759,6 +771,20 @@ class Supervisor:
         os.close(proc.inbox_w)
         proc.doorbell.close()
         getattr(self, f"after_{verdict.action}")(proc, verdict)
+        self.forget_ended(proc.name)
+
+    def forget_ended(self, name: str) -> None:
+        """Keep the statistics of the last ENDED_KEPT processes that ended (a run's summary reads its
+        publishers' readers after they closed), not of every connection a long-lived broker served."""
+        if name in self.procs:
+            return
+        self.ended_names.append(name)
+        while len(self.ended_names) > ENDED_KEPT:
+            old = self.ended_names.popleft()
+            if old not in self.procs:
+                self.stats.pop(old, None)
+                self.samples.pop(old, None)
+        del self.deaths[:-DEATHS_KEPT]
 
     def after_forget(self, proc: Proc, verdict) -> None:
         if proc.kind == "reader":
