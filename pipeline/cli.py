@@ -145,7 +145,13 @@ def build_parser() -> Parser:
 
     serve = sub.add_parser("serve", help="run the broker alone for outside AMQP clients")
     serve.add_argument("--port", type=nonneg_int, default=5672)
-    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1, and ::1 beside it; 0.0.0.0 and ::)")
+    serve.add_argument("--no-ipv6", action="store_true", help="no IPv6 listener beside the IPv4 one")
+    serve.add_argument("--tls-port", type=nonneg_int, default=None,
+                       help="also listen for AMQP over TLS (amqps, RabbitMQ's 5671); needs --cert and --key")
+    serve.add_argument("--cert", default=None, help="PEM certificate (chain) for --tls-port")
+    serve.add_argument("--key", default=None, help="PEM private key for --tls-port")
     serve.add_argument("--data-dir", default="creditflow-data")
     add_broker_options(serve)
 
@@ -230,7 +236,24 @@ def cmd_serve(args) -> int:
     from pipeline.supervisor import run_broker
     cfg = broker_config(args, os.path.abspath(args.data_dir), args.port)
     cfg.host = args.host
+    cfg.ipv6 = not args.no_ipv6
+    if args.tls_port is not None:
+        check_tls(args)
+        cfg.tls_port, cfg.tls_cert, cfg.tls_key = args.tls_port, os.path.abspath(args.cert), os.path.abspath(args.key)
+    elif args.cert or args.key:
+        raise UsageError("creditflow serve: --cert and --key go with --tls-port")
     return run_broker(cfg)
+
+
+def check_tls(args) -> None:
+    """--tls-port needs a certificate and key that load; say which and why before anything starts."""
+    import ssl
+    if not args.cert or not args.key:
+        raise UsageError("creditflow serve: --tls-port needs --cert and --key")
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(args.cert, args.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"creditflow serve: cannot use --cert {args.cert} / --key {args.key}: {exc}") from None
 
 
 def cmd_ctl(args) -> int:

@@ -19,6 +19,7 @@ import collections
 import errno
 import selectors
 import socket
+import ssl
 import time
 
 from ipc import control
@@ -70,6 +71,8 @@ class Reader(Stage):
         self.sock = sock
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.handshaking = self.tls          # TLS: the handshake runs in this loop, never blocking it
         now = time.monotonic_ns()
         self.conn = ServerConnection(node_name=node_name, heartbeat_s=heartbeat_s,
                                      frame_max=frame_max, channel_max=channel_max,
@@ -102,10 +105,13 @@ class Reader(Stage):
     # -- socket ----------------------------------------------------------------
     def _set_interest(self) -> None:
         want = 0
-        if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
-            want |= selectors.EVENT_READ
-        if self.outbuf:
-            want |= selectors.EVENT_WRITE
+        if self.handshaking:
+            want = self.handshake_wants
+        else:
+            if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
+                want |= selectors.EVENT_READ
+            if self.outbuf:
+                want |= selectors.EVENT_WRITE
         if want == self.interest:
             return
         if self.interest and want:
@@ -116,16 +122,24 @@ class Reader(Stage):
             self.selector.unregister(self.sock)
         self.interest = want
 
+    handshake_wants = selectors.EVENT_READ
+
     def on_ready(self, key) -> None:
         if key.data != "sock":
+            return
+        if self.handshaking:
+            self.handshake()
             return
         # The inbox first: an alarm the supervisor delivered before this data arrived applies to it
         # (ctl set-watermark returns once every reader's inbox holds the alarm).
         self.handle_tokens(time.monotonic_ns())
+        self.read_socket()
+
+    def read_socket(self) -> None:
         if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
             try:
                 data = self.sock.recv(RECV_BYTES)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 data = None
             except OSError:
                 data = b""
@@ -135,11 +149,31 @@ class Reader(Stage):
                 self.conn.receive_data(data)
                 self.dirty = True
 
+    def handshake(self) -> None:
+        """One step of the TLS handshake; a client that fails it is dropped, as RabbitMQ's listener does."""
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLWantReadError:
+            self.handshake_wants = selectors.EVENT_READ
+            return
+        except ssl.SSLWantWriteError:
+            self.handshake_wants = selectors.EVENT_WRITE
+            return
+        except (ssl.SSLError, OSError) as exc:
+            self.log(f"TLS handshake failed: {exc}")
+            self.eof = True
+            self.handshaking = False
+            self.finish()
+            return
+        self.handshaking = False
+
     def write_out(self) -> None:
         data = self.conn.data_to_send()
         if data:
             self.outbuf += data
         if self.outbuf:
+            if self.handshaking:
+                return
             try:
                 sent = self.sock.send(self.outbuf)
                 if sent == len(self.outbuf):
@@ -147,15 +181,12 @@ class Reader(Stage):
                 else:
                     del self.outbuf[:sent]
                 self.conn.note_sent(time.monotonic_ns())
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
                 pass
-            except OSError as exc:
-                if exc.errno in (errno.EPIPE, errno.ECONNRESET):
-                    self.outbuf.clear()
-                    self.eof = True
-                    self.finish()
-                else:
-                    raise
+            except OSError:                     # the peer is gone (EPIPE, ECONNRESET, a TLS alert...)
+                self.outbuf.clear()
+                self.eof = True
+                self.finish()
 
     def can_read_more(self) -> bool:
         return len(self.outbuf) < OUTBUF_HIGH_BYTES
@@ -195,6 +226,9 @@ class Reader(Stage):
 
     # -- the loop's hooks --------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
+        if self.tls and not self.handshaking and self.sock.pending():
+            self.read_socket()          # decrypted bytes the kernel's readiness cannot show
+            self.backlog = self.backlog or bool(self.sock.pending())
         self.parse(now_ns)
         if now_ns - self.last_tick_ns >= 500_000_000:
             self.last_tick_ns = now_ns

@@ -95,6 +95,10 @@ class BrokerConfig:
     paging_ratio: float = 0.5
     telemetry: bool = True          # off: no snapshot or state-sample files, stages report once a second
     watchdog: dict = field(default_factory=dict)
+    ipv6: bool = True               # also listen on the IPv6 twin of a loopback or wildcard host
+    tls_port: int | None = None     # an AMQPS listener (RabbitMQ's 5671) with tls_cert / tls_key
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
 
 @dataclass
@@ -175,21 +179,25 @@ class Supervisor:
         self.paging = False
         self.accept_paused_until = 0.0
         self.telemetry = telemetry.Recorder(cfg.data_dir)
-        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.listener.bind((cfg.host, cfg.port))
-        self.listener.listen(128)
-        self.listener.setblocking(False)
-        self.port = self.listener.getsockname()[1]
+        self.tls = None
+        if cfg.tls_port is not None:
+            import ssl
+            self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            self.tls.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+        self.listeners: list[tuple[socket.socket, bool]] = []     # (listening socket, TLS?)
+        self.port = self.listen(cfg.host, cfg.port, tls=False)
+        self.tls_port = self.listen(cfg.host, cfg.tls_port, tls=True) if cfg.tls_port is not None else None
         self.ctl_path = os.path.join(cfg.data_dir, "ctl.sock")
         self.ctl = CtlServer(self.ctl_path, self.selector, self.ctl_request)
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
-        self.selector.register(self.listener, selectors.EVENT_READ, ("listen", None))
         self.selector.register(self.wake_r, selectors.EVENT_READ, ("signal", None))
-        self.log("info", [f"Starting creditflow broker (run {self.run_id}) on {cfg.host}:{self.port}, "
-                          f"data dir {cfg.data_dir}"])
+        self.log("info", [f"Starting creditflow broker (run {self.run_id}), data dir {cfg.data_dir}"])
+        for sock, tls in self.listeners:
+            host, port = sock.getsockname()[:2]
+            self.log("info", [f"started {'TLS (SSL) ' if tls else ''}TCP listener on "
+                              f"{'[' + host + ']' if ':' in host else host}:{port}"])
         if removed:
             self.log("warning", [f"removed {len(removed)} shared-memory entries left by a killed run"])
 
@@ -349,32 +357,65 @@ class Supervisor:
 
         return self.spawn("watchdog", "watchdog", lambda ctl, inbox, bell: _Watchdog(ctl))
 
-    def accept(self) -> None:
+    def listen(self, host: str, port: int, *, tls: bool) -> int:
+        """Listen on ``host:port`` (port 0: any free port), and on its IPv6 twin (``::1`` for
+        127.0.0.1, ``::`` for 0.0.0.0) on the same port when the machine has IPv6; returns the port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = self._bind(family, host, port)
+        port = sock.getsockname()[1]
+        self.listeners.append((sock, tls))
+        twin = {"127.0.0.1": "::1", "0.0.0.0": "::", "localhost": "::1"}.get(host)
+        if self.cfg.ipv6 and twin and socket.has_ipv6:
+            try:
+                self.listeners.append((self._bind(socket.AF_INET6, twin, port), tls))
+            except OSError as exc:
+                self.log("warning", [f"no IPv6 listener on [{twin}]:{port}: {exc}"])
+        return port
+
+    def _bind(self, family, host: str, port: int) -> socket.socket:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self.selector.register(sock, selectors.EVENT_READ, ("listen", len(self.listeners)))
+        return sock
+
+    def accept(self, index: int) -> None:
+        listener, tls = self.listeners[index]
         while True:
             try:
-                sock, addr = self.listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     self.pause_accepting(f"cannot accept a connection: {exc}")
                 return               # ECONNABORTED and the like: that client gave up
-            self.start_reader(sock, addr)
+            self.start_reader(sock, addr, tls)
 
     def pause_accepting(self, why: str) -> None:
         self.log("warning", [f"{why}; not accepting for {ACCEPT_PAUSE_S} s"])
         self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
-        try:
-            self.selector.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
+        for listener, _ in self.listeners:
+            try:
+                self.selector.unregister(listener)
+            except (KeyError, ValueError):
+                pass
 
     def resume_accepting(self) -> None:
         if self.accept_paused_until and time.monotonic() >= self.accept_paused_until and self.running:
             self.accept_paused_until = 0.0
-            self.selector.register(self.listener, selectors.EVENT_READ, ("listen", None))
+            for i, (listener, _) in enumerate(self.listeners):
+                self.selector.register(listener, selectors.EVENT_READ, ("listen", i))
 
-    def start_reader(self, sock: socket.socket, addr) -> None:
+    def start_reader(self, sock: socket.socket, addr, tls: bool = False) -> None:
         n = self.next_conn
         self.next_conn += 1
         name = f"reader-{n}"
@@ -385,12 +426,17 @@ class Supervisor:
             refuse = (f"NOT_ALLOWED - access to vhost '/' refused for user 'guest': connection limit "
                       f"({cfg.connection_max}) is reached")
         alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
+        here = sock.getsockname()
         fd = sock.detach()
-        peer = f"{addr[0]}:{addr[1]} -> {cfg.host}:{self.port}"
+        peer = f"{addr[0]}:{addr[1]} -> {here[0]}:{here[1]}"
+        context = self.tls if tls else None
 
         def factory(ctl, inbox, bell, fd=fd, name=name, refuse=refuse, alarms=alarms):
             from pipeline.reader import Reader
-            return Reader(name, ctl, inbox, bell, cfg.credit, socket.socket(fileno=fd),
+            conn = socket.socket(fileno=fd)
+            if context is not None:
+                conn = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            return Reader(name, ctl, inbox, bell, cfg.credit, conn,
                           node_name=cfg.node, heartbeat_s=cfg.heartbeat_s, frame_max=cfg.frame_max,
                           channel_max=cfg.channel_max, max_message_bytes=cfg.max_message_bytes,
                           refuse=refuse, alarms=alarms)
@@ -928,7 +974,7 @@ class Supervisor:
         what, arg = data
         try:
             if what == "listen":
-                self.accept()
+                self.accept(arg)
             elif what == "proc":
                 self.on_proc_ready(arg, events)
             elif what == "ctl_server":
@@ -956,17 +1002,18 @@ class Supervisor:
         path = os.path.join(self.cfg.data_dir, "broker.json")
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"pid": os.getpid(), "port": self.port, "host": self.cfg.host, "run_id": self.run_id,
-                       "ctl": self.ctl_path, "node": self.cfg.node}, f)
+            json.dump({"pid": os.getpid(), "port": self.port, "tls_port": self.tls_port, "host": self.cfg.host,
+                       "run_id": self.run_id, "ctl": self.ctl_path, "node": self.cfg.node}, f)
         os.replace(tmp, path)
 
     def stop_all(self) -> None:
         """Readers first, then channels, queues, watchdog, and the store last (after its final fsync)."""
         self.running = False
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        for listener, _ in self.listeners:
+            try:
+                listener.close()
+            except OSError:
+                pass
         for kind in ("reader", "channel", "queue", "watchdog", "store"):
             group = [p for p in self.procs.values() if p.kind == kind]
             for p in group:
