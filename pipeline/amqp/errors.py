@@ -40,7 +40,8 @@ unless marked channel)::
     method frame under 4 bytes,
       content header under 12           501 "type 1, all octets = <<0,50>>: unknown_frame"
     method arguments cut short or
-      with bytes left over              501 "cannot decode <<0,0,5,97,98>>" (with the method's ids)
+      with bytes left over              501 "cannot decode <<0,0,5,97,98>>" (with the method's ids); for
+                                        connection.open alone RabbitMQ closes without a word, here 501
     non-UTF-8 shortstr in a method
       that carries no content           501 "Malformed UTF-8 in shortstr" (RabbitMQ gives channel
                                         methods ids 0/0; this project the method's)
