@@ -236,6 +236,9 @@ class Reader(Stage):
             if isinstance(event, HeartbeatTimeout):
                 self.log("missed heartbeats from client, timeout")
                 self.finish()
+        if self.conn.state == "client_closing" and (
+                not self.channels or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS // 2):
+            self.conn.send_close_ok()      # every channel has said its last (or took too long)
         self.write_out()
         if self.closing_since_ns is not None and (
                 not self.outbuf and self.conn.state == "closed"

@@ -868,11 +868,25 @@ def test_after_connection_close_only_close_ok_counts():
     assert conn.next_event(0) == Closed("close handshake finished") and conn.state == "closed"
 
 
-def test_client_close_is_answered_at_once():
+def test_client_close_is_answered_once_its_channels_have_finished():
     conn = opened()
-    conn.receive_data(m(0, commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0)))
+    conn.receive_data(m(0, commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0))
+                      + m(1, commands.Channel.Open()))
     assert conn.next_event(0) == CloseRequested(200, "bye")
-    assert names(conn) == ["Connection.CloseOk"] and conn.state == "closed"
+    assert names(conn) == [] and conn.state == "client_closing"
+    assert conn.next_event(0) is None, "nothing after the client's close is parsed"
+    conn.send_raw(frames.encode_method(1, commands.Queue.DeclareOk(queue="q", message_count=0, consumer_count=0)))
+    conn.send_close_ok()
+    assert names(conn) == ["Queue.DeclareOk", "Connection.CloseOk"] and conn.state == "closed"
+    conn.send_raw(frames.encode_method(1, commands.Basic.QosOk()))
+    assert names(conn) == [], "nothing goes out after close-ok"
+
+
+def test_connection_update_secret_is_answered():
+    conn = opened()
+    conn.receive_data(m(0, commands.Connection.UpdateSecret(new_secret="guest", reason="rotation")))
+    assert conn.next_event(0) is None
+    assert names(conn) == ["Connection.UpdateSecretOk"] and conn.state == "open"
 
 
 def test_peer_eof_is_closed():
@@ -996,6 +1010,8 @@ class OneConnectionServer:
                             conn.send_blocked("low on memory")
                         elif isinstance(ev, ChannelClose):
                             conn.close_channel_ok(ev.channel)
+                        elif isinstance(ev, CloseRequested):
+                            conn.send_close_ok()       # this server has no channel processes to wait for
                     conn.tick(now)
                     sock.sendall(conn.data_to_send())
         except BaseException as exc:      # surfaced by the test

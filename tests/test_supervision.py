@@ -328,3 +328,17 @@ def test_the_ctl_socket_refuses_bad_requests_and_a_client_that_never_reads_does_
     conn.close()
     hog.close()
     bad.close()
+
+
+def test_a_close_right_behind_pipelined_methods_is_answered_after_them(broker):
+    """RabbitMQ's reader lets its channels finish before it answers connection.close."""
+    for _ in range(5):
+        s = raw_amqp_connection(broker.port)
+        s.sendall(frame.marshal(commands.Channel.Open(), 1))
+        frames_until(s, lambda got: "Channel.OpenOk" in names(got))
+        s.sendall(frame.marshal(commands.Queue.Declare(queue="behind"), 1)
+                  + frame.marshal(commands.Basic.Qos(prefetch_count=5), 1)
+                  + frame.marshal(commands.Connection.Close(reply_code=200, reply_text="bye"), 0))
+        got = names(frames_until(s, lambda got: "Connection.CloseOk" in names(got)))
+        assert got == ["Queue.DeclareOk", "Basic.QosOk", "Connection.CloseOk"], got
+        s.close()

@@ -196,7 +196,7 @@ class ConnectionStatistics:
 
 # -- state tables ------------------------------------------------------------------------------
 
-STATES = ("awaiting_header", "starting", "tuning", "opening", "open", "closing", "closed")
+STATES = ("awaiting_header", "starting", "tuning", "opening", "open", "closing", "client_closing", "closed")
 _HANDSHAKE = ("starting", "tuning", "opening")
 _TRANSITIONS: dict[tuple[str, str], str] = {
     ("awaiting_header", "header"): "starting",
@@ -205,7 +205,9 @@ _TRANSITIONS: dict[tuple[str, str], str] = {
     ("opening", "open"): "open",
     ("closing", "close_ok"): "closed",
     **{(s, "close_sent"): "closing" for s in (*_HANDSHAKE, "open")},
-    **{(s, "client_close"): "closed" for s in (*_HANDSHAKE, "open")},
+    **{(s, "client_close"): "closed" for s in _HANDSHAKE},
+    ("open", "client_close"): "client_closing",       # close-ok once the channels have finished
+    ("client_closing", "close_ok_sent"): "closed",
     **{(s, "drop"): "closed" for s in STATES if s != "closed"},
 }
 # the one method the client may send on channel 0 in each handshake state
@@ -440,7 +442,7 @@ class ServerConnection:
             self._fresh_bytes = False
             self._last_in_ns = now_ns
         while True:
-            if self.state == "closed":
+            if self.state in ("closed", "client_closing"):
                 return None
             if self._desynced:
                 return self._drop("peer closed the connection") if self._eof else None
@@ -579,14 +581,16 @@ class ServerConnection:
     def _connection_method(self, key: tuple[int, int], buf, ps: int, pe: int):
         method = frames.decode_method(buf, ps, pe)
         if key == frames.CONNECTION_CLOSE:
-            self._method(0, commands.Connection.CloseOk())
-            self._advance("client_close")
+            if self.state != "open":
+                self._method(0, commands.Connection.CloseOk())
+            self._advance("client_close")     # when open: close-ok waits for send_close_ok
             self._assembly.clear()
             return CloseRequested(method.reply_code, method.reply_text)
+        if key == frames.CONNECTION_UPDATE_SECRET and self.state == "open":
+            # RabbitMQ's internal users have no expiring credentials: the new secret is taken as is
+            self._method(0, commands.Connection.UpdateSecretOk())
+            return None
         if _EXPECTED.get(self.state) != key:
-            if key == frames.CONNECTION_UPDATE_SECRET and self.state == "open":
-                raise ConnectionLevelError(E.NOT_IMPLEMENTED, reply_text(
-                    E.NOT_IMPLEMENTED, "connection.update-secret is not supported"), *key)
             raise ConnectionLevelError(E.CHANNEL_ERROR, reply_text(
                 E.CHANNEL_ERROR, f"unexpected method in connection state "
                                  f"{_RABBIT_STATE_NAMES.get(self.state, self.state)}"), *key)
@@ -857,8 +861,18 @@ class ServerConnection:
         self._method(channel, commands.Channel.Close(reply_code=reply_code, reply_text=_clip(reply_text),
                                                      class_id=class_id, method_id=method_id))
 
+    def send_close_ok(self) -> None:
+        """Answer the client's connection.close, once what its channels still had to say is queued
+        (RabbitMQ's reader shuts its channels down before it sends close-ok)."""
+        if self.state == "client_closing":
+            self._method(0, commands.Connection.CloseOk())
+            self._advance("close_ok_sent")
+
     def close(self, reply_code: int, reply_text: str, class_id: int = 0, method_id: int = 0) -> None:
         """Server-initiated connection.close; afterwards only close/close-ok from the client count."""
+        if self.state == "client_closing":
+            self.send_close_ok()            # the client is closing anyway: just finish its handshake
+            return
         if self.state in ("closing", "closed"):
             return
         if self.state == "awaiting_header":
@@ -870,8 +884,9 @@ class ServerConnection:
         self._assembly.clear()
 
     def send_raw(self, data: bytes) -> None:
-        """Pre-encoded frames from a channel or queue process (dropped once the connection is closing)."""
-        if self.state == "open" and data:
+        """Pre-encoded frames from a channel or queue process (dropped once we close the connection;
+        while the client's close waits for close-ok, its channels' last answers still go out)."""
+        if (self.state == "open" or self.state == "client_closing") and data:
             self._out.append(data)
             self.frames_out += frames.count_frames(data)
 
