@@ -338,7 +338,7 @@ def test_a_close_right_behind_pipelined_methods_is_answered_after_them(broker):
         frames_until(s, lambda got: "Channel.OpenOk" in names(got))
         s.sendall(frame.marshal(commands.Queue.Declare(queue="behind"), 1)
                   + frame.marshal(commands.Basic.Qos(prefetch_count=5), 1)
-                  + frame.marshal(commands.Connection.Close(reply_code=200, reply_text="bye"), 0))
+                  + frame.marshal(commands.Connection.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0), 0))
         got = names(frames_until(s, lambda got: "Connection.CloseOk" in names(got)))
         assert got == ["Queue.DeclareOk", "Basic.QosOk", "Connection.CloseOk"], got
         s.close()
