@@ -1,0 +1,680 @@
+"""The queue's pure core, one rule at a time, then every rule at once under a hypothesis state machine.
+
+Each story drives a :class:`Backlog` with a fake clock (monotonic ns passed
+in) and reads the actions it returns; no process, ring or file. Where a
+story says "as RabbitMQ", the same steps were run against a real RabbitMQ
+3.10.8 node with pika and gave the result asserted here.
+
+The state machine keeps its own model of every message and checks, after
+every step, that each message taken in is exactly one of: ready, unacked by
+exactly one channel, or gone with exactly one outcome; that every message
+leaving ready is the head (the oldest of the highest priority, so order
+within a priority survives any requeues); that nothing is delivered once
+expired; that no delivery exceeds a consumer's prefetch, its channel's
+limit or its transport's room; that the statistics add up; and, at the end,
+that every publisher got exactly one confirm or nack per message.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pipeline.broker.args import (InequivalentArgument, InvalidArgument, InvalidExpiration, QueueArgs, QueueSpec,
+                                  ResourceLocked, Typed, check_redeclare, consumer_priority, parse_expiration,
+                                  parse_queue_args)
+from pipeline.broker.backlog import (AccessRefused, Backlog, Confirm, DeadLetter, Death, DeleteQueue, Deliver,
+                                     Forget, GetEmpty, GetOk, Message, Nack, QueueInUse, QueueNotEmpty, ShellMisuse,
+                                     dead_letter_cycles, record_death)
+
+MS = 1_000_000
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1_000 * MS
+
+    def __call__(self) -> int:
+        return self.now
+
+    def advance(self, ms: float) -> int:
+        self.now += int(ms * MS)
+        return self.now
+
+
+def m(body="x", size=None, **kw) -> Message:
+    return Message(body, len(body) if size is None else size, **kw)
+
+
+def bodies(actions, kind=Deliver) -> list:
+    return [a.message.payload for a in actions if isinstance(a, kind)]
+
+
+def drain(q: Backlog, clock: Clock, channel="get") -> list:
+    """Every ready message by basic.get (no-ack), as (body, redelivered)."""
+    out = []
+    while True:
+        last = q.get(channel, clock(), no_ack=True)[-1]
+        if isinstance(last, GetEmpty):
+            return out
+        out.append((last.message.payload, last.redelivered))
+
+
+def queue(clock, name="q", **args) -> Backlog:
+    auto_delete = args.pop("auto_delete", False)
+    first_id = args.pop("first_id", 1)
+    return Backlog(name, clock(), QueueArgs(**args), auto_delete=auto_delete, first_id=first_id)
+
+
+# -- publishing and delivering ---------------------------------------------------------------------
+def test_a_message_with_no_consumer_waits_and_goes_to_the_first_consumer_in_order():
+    clock = Clock()
+    q = queue(clock)
+    for b in "abc":
+        assert q.publish(m(b), clock()) == ()
+    assert q.statistics().messages_ready == 3
+    q.consume("c1", "ch1", clock())
+    out = q.deliver(clock())
+    assert bodies(out) == ["a", "b", "c"] and all(not a.redelivered and not a.no_ack for a in out)
+    assert [a.message.id for a in out] == [1, 2, 3]
+    s = q.statistics()
+    assert (s.messages_ready, s.messages_unacknowledged, s.message_bytes_unacknowledged) == (0, 3, 3)
+
+
+def test_a_publish_goes_straight_to_a_consumer_with_room():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c1", "ch1", clock())
+    [d] = q.publish(m("a"), clock())
+    assert d == Deliver("c1", d.message, False, False)
+    assert q.statistics().messages_ready == 0
+
+
+def test_consumers_take_turns():
+    clock = Clock()
+    q = queue(clock)
+    for key in ("c1", "c2", "c3"):
+        q.consume(key, "ch1", clock())
+    out = [q.publish(m(str(i)), clock())[0].consumer for i in range(7)]
+    assert out == ["c1", "c2", "c3", "c1", "c2", "c3", "c1"]
+
+
+def test_a_higher_priority_consumer_is_served_first_and_lower_ones_only_when_it_is_full():
+    clock = Clock()
+    q2 = queue(clock)
+    for i in range(6):
+        q2.publish(m(str(i)), clock())
+    q2.consume("low", "ch1", clock(), priority=0)
+    q2.consume("high-a", "ch2", clock(), priority=10, prefetch=2)
+    q2.consume("high-b", "ch2", clock(), priority=10, prefetch=1)
+    assert [a.consumer for a in q2.deliver(clock())] == ["high-a", "high-b", "high-a", "low", "low", "low"]
+
+
+def test_prefetch_holds_a_consumer_at_its_limit_until_it_acks():
+    clock = Clock()
+    q = queue(clock)
+    for i in range(5):
+        q.publish(m(str(i)), clock())
+    q.consume("c", "ch", clock(), prefetch=2)
+    first = q.deliver(clock())
+    assert bodies(first) == ["0", "1"] and q.deliver(clock()) == []
+    [forget] = q.ack("ch", [first[0].message.id])
+    assert forget == Forget(first[0].message, "acked")
+    assert bodies(q.deliver(clock())) == ["2"]
+
+
+def test_a_global_prefetch_is_shared_by_the_channels_consumers_and_holds_its_no_ack_ones_too():
+    clock = Clock()
+    q = queue(clock)
+    q.set_channel_prefetch("ch", 3)
+    q.consume("a", "ch", clock())
+    q.consume("b", "ch", clock())
+    for i in range(6):
+        q.publish(m(str(i)), clock())
+    q.consume("auto", "ch", clock(), no_ack=True)
+    out = q.deliver(clock())
+    assert [a.consumer for a in out] == [] and q.statistics().messages_unacknowledged == 3
+    q.ack("ch", [1])
+    assert [a.consumer for a in q.deliver(clock())] == ["b"]      # a and auto step aside until room returns
+    q.set_channel_prefetch("ch", 0)
+    assert len(q.deliver(clock())) == 2
+
+
+def test_room_on_the_transport_bounds_each_delivery_round():
+    clock = Clock()
+    q = queue(clock)
+    for i in range(5):
+        q.publish(m(str(i)), clock())
+    q.consume("c1", "ch1", clock(), transport="reader-1")
+    q.consume("c2", "ch2", clock(), transport="reader-1")
+    room = {"reader-1": 3}
+    assert [a.consumer for a in q.deliver(clock(), room)] == ["c1", "c2", "c1"]
+    assert room == {"reader-1": 0}
+    assert bodies(q.deliver(clock(), {"reader-1": 10})) == ["3", "4"]
+    assert q.deliver(clock(), {}) == ()    # nothing ready: nothing to do
+
+
+def test_a_no_ack_consumer_ends_each_message_as_it_is_sent():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c", "ch", clock(), no_ack=True)
+    [d] = q.publish(m("a"), clock())
+    assert d.no_ack and q.statistics().messages_unacknowledged == 0 and q.statistics().acked == 1
+
+
+def test_an_exclusive_consumer_keeps_others_out_as_rabbitmq_says():
+    clock = Clock()
+    q = queue(clock, name="x1")
+    q.consume("c1", "ch1", clock(), exclusive=True)
+    with pytest.raises(AccessRefused, match=re.escape("ACCESS_REFUSED - queue 'x1' in vhost '/' in exclusive use")):
+        q.consume("c2", "ch2", clock())
+    q.cancel("c1", clock())
+    q.consume("c2", "ch2", clock())
+    with pytest.raises(AccessRefused) as refused:
+        q.consume("c3", "ch3", clock(), exclusive=True)
+    assert refused.value.reply_code == 403
+    with pytest.raises(ShellMisuse):
+        q.consume("c2", "ch2", clock())
+
+
+def test_basic_get_with_and_without_ack():
+    clock = Clock()
+    q = queue(clock)
+    assert q.get("ch", clock()) == [GetEmpty("ch")]
+    for b in "abc":
+        q.publish(m(b), clock())
+    [ok] = q.get("ch", clock(), no_ack=True)
+    assert (ok.message.payload, ok.remaining, ok.no_ack) == ("a", 2, True)
+    [ok] = q.get("ch", clock())
+    assert (ok.message.payload, ok.remaining) == ("b", 1) and q.statistics().messages_unacknowledged == 1
+    assert q.ack("other-channel", [ok.message.id]) == ()      # not its to ack
+    assert q.holds("ch", ok.message.id)
+    assert q.ack("ch", [ok.message.id]) == [Forget(ok.message, "acked")]
+    assert q.ack("ch", [ok.message.id]) == []                 # a second ack finds nothing
+
+
+# -- requeue ------------------------------------------------------------------------------------------
+def test_requeued_messages_go_back_in_their_original_order_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock)
+    for i in range(1, 9):
+        q.publish(m(str(i)), clock())
+    ids = {}
+    for _ in range(6):
+        ok = q.get("ch", clock())[-1]
+        ids[ok.message.payload] = ok.message.id
+    for b in ("5", "2", "6", "1"):            # nacked one at a time, in this order
+        q.reject("ch", [ids[b]], clock(), requeue=True)
+    assert drain(q, clock) == [("1", True), ("2", True), ("5", True), ("6", True), ("7", False), ("8", False)]
+    q.recover("ch", clock())
+    assert drain(q, clock) == [("3", True), ("4", True)]
+
+
+def test_a_message_requeued_twice_still_goes_back_to_its_place():
+    clock = Clock()
+    q = queue(clock)
+    for i in range(1, 5):
+        q.publish(m(str(i)), clock())
+    m1 = q.get("ch", clock())[-1].message
+    m2 = q.get("ch", clock())[-1].message
+    q.reject("ch", [m2.id], clock(), requeue=True)
+    again = q.get("ch", clock())[-1]
+    assert again.message is m2 and again.redelivered
+    q.reject("ch", [m1.id, m2.id], clock(), requeue=True)
+    assert drain(q, clock) == [("1", True), ("2", True), ("3", False), ("4", False)]
+
+
+def test_reject_without_requeue_dead_letters_or_drops():
+    clock = Clock()
+    q = queue(clock, dead_letter_exchange="dlx", dead_letter_routing_key="dead")
+    q.publish(m("a", routing_keys=("q",)), clock())
+    ok = q.get("ch", clock())[-1]
+    [dl] = q.reject("ch", [ok.message.id], clock(), requeue=False)
+    assert (dl.reason, dl.exchange, dl.routing_keys, dl.queue, dl.at_ns) == ("rejected", "dlx", ("dead",), "q",
+                                                                           clock())
+    plain = queue(clock)
+    plain.publish(m("a"), clock())
+    ok = plain.get("ch", clock())[-1]
+    assert plain.reject("ch", [ok.message.id], clock(), requeue=False) == [Forget(ok.message, "rejected")]
+    assert plain.statistics().rejected == 1
+
+
+def test_a_closed_channel_gives_back_what_it_held_in_order_and_loses_its_consumers():
+    clock = Clock()
+    q = queue(clock)
+    for i in range(4):
+        q.publish(m(str(i)), clock())
+    q.consume("c1", "ch1", clock(), prefetch=2)
+    q.consume("c2", "ch2", clock(), prefetch=1)
+    assert [a.consumer for a in q.deliver(clock())] == ["c1", "c2", "c1"]
+    q.ack("ch2", [2])
+    assert q.channel_closed("ch1", clock()) == []
+    s = q.statistics()
+    assert (s.consumers, s.messages_unacknowledged, s.messages_ready, s.requeued) == (1, 0, 3, 2)
+    out = q.deliver(clock())
+    assert [(a.message.payload, a.redelivered, a.consumer) for a in out] == [("0", True, "c2")]
+
+
+def test_a_cancelled_consumers_deliveries_stay_with_its_channel():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c", "ch", clock())
+    d = q.publish(m("a"), clock())[0]
+    q.cancel("c", clock())
+    assert q.statistics().messages_unacknowledged == 1
+    assert q.ack("ch", [d.message.id]) == [Forget(d.message, "acked")]
+
+
+# -- TTL ----------------------------------------------------------------------------------------------
+def test_a_queue_ttl_expires_messages_at_their_deadline_and_never_delivers_them():
+    clock = Clock()
+    q = queue(clock, message_ttl_ms=100)
+    q.publish(m("a"), clock())
+    clock.advance(50)
+    q.publish(m("b"), clock())
+    assert q.next_deadline_ns() == clock() + 50 * MS
+    clock.advance(50)                                           # "a" is due now, "b" in 50 ms
+    q.consume("c", "ch", clock())
+    out = q.deliver(clock())
+    assert bodies(out, Forget) == ["a"] and bodies(out) == ["b"]
+    assert q.statistics().expired == 1
+
+
+def test_expire_dead_letters_expired_heads_on_the_shells_timer():
+    clock = Clock()
+    q = queue(clock, message_ttl_ms=10, dead_letter_exchange="dlx")
+    q.publish(m("a", routing_keys=("q", "cc")), clock())
+    assert q.expire(clock.advance(9)) == []
+    [dl] = q.expire(clock.advance(1))
+    assert (dl.reason, dl.routing_keys, dl.routing_key) == ("expired", ("q", "cc"), None)
+    assert q.next_deadline_ns() is None
+
+
+def test_a_per_message_expiration_waits_behind_a_longer_lived_head_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, message_ttl_ms=1000)
+    q.publish(m("long", expiration_ms=100_000), clock())        # the queue's 1000 ms is the shorter
+    q.publish(m("short", expiration_ms=50), clock())
+    clock.advance(300)
+    assert q.expire(clock()) == []                              # only heads expire
+    assert q.next_deadline_ns() == clock() + 700 * MS
+    gone, ok = q.get("ch", clock(), no_ack=True)                # the new head is checked after the fetch
+    assert (ok.message.payload, ok.remaining) == ("long", 0)
+    assert (gone.message.payload, gone.outcome) == ("short", "expired")
+
+
+def test_ttl_zero_with_nobody_to_take_it_expires_at_once_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, message_ttl_ms=0)
+    [gone] = q.publish(m("a"), clock())
+    assert gone.outcome == "expired" and q.statistics().messages_ready == 0
+    dlq = queue(clock, message_ttl_ms=0, dead_letter_exchange="dlx")
+    [dl] = dlq.publish(m("a"), clock())
+    assert isinstance(dl, DeadLetter) and dl.reason == "expired"
+    q.consume("c", "ch", clock())
+    assert bodies(q.publish(m("b"), clock())) == ["b"]           # a waiting consumer still gets it
+    [gone] = q.publish(m("c"), clock(), room={})                 # one with no room does not
+    assert (gone.message.payload, gone.outcome) == ("c", "expired")
+
+
+def test_an_expiration_of_zero_to_a_busy_consumer_expires_too():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c", "ch", clock(), prefetch=1)
+    q.publish(m("a"), clock())
+    [gone] = q.publish(m("b", expiration_ms=0), clock())
+    assert gone.outcome == "expired" and gone.message.payload == "b"
+
+
+# -- max length -------------------------------------------------------------------------------------------
+def test_drop_head_drops_the_oldest_and_dead_letters_it_when_there_is_a_dlx():
+    clock = Clock()
+    q = queue(clock, max_length=2)
+    q.publish(m("a"), clock())
+    q.publish(m("b"), clock())
+    [gone] = q.publish(m("c"), clock())
+    assert (gone.message.payload, gone.outcome) == ("a", "dropped")
+    dlq = queue(clock, max_length=1, dead_letter_exchange="dlx")
+    dlq.publish(m("a"), clock())
+    [dl] = dlq.publish(m("b"), clock())
+    assert (dl.message.payload, dl.reason) == ("a", "maxlen")
+
+
+def test_max_length_bytes_counts_ready_bodies_and_drops_a_body_bigger_than_the_limit_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, max_length_bytes=10)
+    for body in ("aaaa", "bbbb", "cccc", "dddddddddddd"):
+        q.publish(m(body), clock())
+    assert q.statistics().messages_ready == 0 and q.statistics().dropped == 4
+
+
+def test_max_length_zero_still_feeds_a_waiting_consumer_with_drop_head_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, max_length=0)
+    assert bodies(q.publish(m("a"), clock()), Forget) == ["a"]
+    q.consume("c", "ch", clock(), no_ack=True)
+    assert bodies(q.publish(m("b"), clock())) == ["b"]
+
+
+def test_reject_publish_nacks_the_publisher_and_never_enqueues_even_for_a_waiting_consumer():
+    clock = Clock()
+    q = queue(clock, max_length=1, overflow="reject-publish")
+    assert q.publish(m("a", publisher="p", seq=1), clock()) == [Confirm("p", 1)]
+    nack, gone = q.publish(m("b", publisher="p", seq=2), clock())
+    assert nack == Nack("p", 2) and gone.outcome == "rejected"
+    zero = queue(clock, max_length=0, overflow="reject-publish")
+    zero.consume("c", "ch", clock(), no_ack=True)
+    assert [type(a) for a in zero.publish(m("x", publisher="p", seq=3), clock())] == [Nack, Forget]
+
+
+def test_reject_publish_dlx_nacks_and_dead_letters_the_new_message():
+    clock = Clock()
+    q = queue(clock, max_length=1, overflow="reject-publish-dlx", dead_letter_exchange="dlx")
+    q.publish(m("a"), clock())
+    nack, dl = q.publish(m("b", publisher="p", seq=7), clock())
+    assert nack == Nack("p", 7) and (dl.message.payload, dl.reason) == ("b", "maxlen")
+    assert drain(q, clock) == [("a", False)]
+
+
+def test_a_priority_queue_over_its_length_drops_its_highest_priority_head_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, max_priority=5, max_length=3)
+    for i, p in enumerate([1, 5, 1, 3, 0]):
+        q.publish(m(f"m{i}p{p}", priority=p), clock())
+    assert [b for b, _ in drain(q, clock)] == ["m0p1", "m2p1", "m4p0"]
+
+
+# -- priorities -------------------------------------------------------------------------------------------
+def test_a_priority_queue_serves_high_first_fifo_within_a_level_and_keeps_that_after_requeues():
+    clock = Clock()
+    q = queue(clock, max_priority=5)
+    for i, p in enumerate([1, 5, 1, 3, 0, 9, None]):
+        q.publish(m(f"m{i}p{p}", priority=p), clock())
+    got = [q.get("ch", clock())[-1].message for _ in range(7)]
+    for msg in reversed(got):
+        q.reject("ch", [msg.id], clock(), requeue=True)
+    assert [b for b, _ in drain(q, clock)] == ["m1p5", "m5p9", "m3p3", "m0p1", "m2p1", "m4p0", "m6pNone"]
+
+
+def test_priority_is_ignored_without_x_max_priority():
+    clock = Clock()
+    q = queue(clock)
+    for i, p in enumerate([0, 9, 3]):
+        q.publish(m(str(i), priority=p), clock())
+    assert [b for b, _ in drain(q, clock)] == ["0", "1", "2"]
+
+
+# -- confirms -----------------------------------------------------------------------------------------------
+def test_confirms_come_once_when_safe_or_when_the_queue_is_done_with_the_message():
+    clock = Clock()
+    q = queue(clock, max_length=1)
+    assert q.publish(m("t", publisher="p", seq=1), clock()) == [Confirm("p", 1)]      # transient: at once
+    actions = q.publish(m("d", publisher="p", seq=2), clock(), safe=False)           # drops "t"
+    assert [type(a) for a in actions] == [Forget]
+    assert q.statistics().unconfirmed == 1
+    assert q.mark_safe([2]) == [Confirm("p", 2)] and q.mark_safe([2]) == []
+    q.publish(m("e", publisher="p", seq=3), clock(), safe=False)                      # drops "d", confirmed
+    dropped = q.publish(m("f", publisher="p", seq=4), clock(), safe=False)            # drops "e" before safe
+    assert dropped == [Forget(dropped[0].message, "dropped"), Confirm("p", 3)]
+    assert q.mark_safe([3, 4]) == [Confirm("p", 4)]
+
+
+def test_a_delivered_and_acked_message_is_confirmed_at_the_ack_if_not_safe_before():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c", "ch", clock())
+    [d] = q.publish(m("a", publisher="p", seq=9), clock(), safe=False)
+    assert q.ack("ch", [d.message.id]) == [Forget(d.message, "acked"), Confirm("p", 9)]
+
+
+# -- lifecycle ----------------------------------------------------------------------------------------------
+def test_auto_delete_asks_for_deletion_when_the_last_consumer_goes_after_having_had_one():
+    clock = Clock()
+    q = queue(clock, auto_delete=True)
+    assert q.get("ch", clock()) == [GetEmpty("ch")]             # no consumer yet: nothing to delete
+    q.consume("a", "ch1", clock())
+    q.consume("b", "ch2", clock())
+    assert q.cancel("a", clock()) == ()
+    assert q.channel_closed("ch2", clock()) == [DeleteQueue("auto_delete")]
+
+
+def test_x_expires_counts_from_the_last_use_and_not_while_consumed():
+    clock = Clock()
+    q = queue(clock, expires_ms=1000)
+    assert q.next_deadline_ns() == clock() + 1000 * MS
+    clock.advance(600)
+    q.get("ch", clock())                                        # a basic.get is a use
+    clock.advance(600)
+    assert q.expire(clock()) == []
+    q.touch(clock())                                            # so is a declare
+    q.consume("c", "ch", clock())
+    assert q.next_deadline_ns() is None
+    clock.advance(5000)
+    q.cancel("c", clock())
+    assert q.expire(clock.advance(999)) == []
+    assert q.expire(clock.advance(1)) == [DeleteQueue("expires")]
+    assert q.expire(clock.advance(1)) == [] and q.next_deadline_ns() is None
+
+
+def test_purge_forgets_ready_messages_only():
+    clock = Clock()
+    q = queue(clock)
+    for b in "abc":
+        q.publish(m(b), clock())
+    q.get("ch", clock())
+    count, actions = q.purge(clock())
+    assert count == 2 and bodies(actions, Forget) == ["b", "c"]
+    assert q.statistics().messages_unacknowledged == 1
+
+
+def test_delete_checks_if_empty_then_if_unused_as_rabbitmq_and_then_forgets_everything():
+    clock = Clock()
+    q = queue(clock, name="x3")
+    q.publish(m("a", publisher="p", seq=1), clock(), safe=False)
+    q.publish(m("b"), clock())
+    q.consume("c", "ch", clock(), prefetch=1)
+    q.deliver(clock())
+    with pytest.raises(QueueNotEmpty, match=re.escape("PRECONDITION_FAILED - queue 'x3' in vhost '/' not empty")):
+        q.delete(clock(), if_empty=True, if_unused=True)
+    with pytest.raises(QueueInUse, match=re.escape("PRECONDITION_FAILED - queue 'x3' in vhost '/' in use")):
+        q.delete(clock(), if_unused=True)
+    count, actions = q.delete(clock())
+    assert count == 1
+    assert [(type(a).__name__, getattr(a, "outcome", None)) for a in actions] == [
+        ("Forget", "deleted"), ("Forget", "deleted"), ("Confirm", None)]
+    with pytest.raises(ShellMisuse):
+        q.publish(m("c"), clock())
+
+
+def test_ids_start_where_the_shell_says_and_a_restarted_queue_restores_its_backlog_first():
+    clock = Clock()
+    q = queue(clock, first_id=1000)
+    q.restore(Message("old-1", 1, id=7, redelivered=True))
+    q.restore(Message("old-2", 1, id=9))
+    with pytest.raises(ShellMisuse):
+        q.restore(Message("late", 1, id=8))
+    assert q.publish(m("new"), clock()) == () and q.statistics().restored == 2
+    assert drain(q, clock) == [("old-1", True), ("old-2", False), ("new", False)]
+
+
+# -- dead-letter headers and cycles ---------------------------------------------------------------------------
+T0 = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+NOW_S = 1_700_000_000
+NOW = datetime.datetime.fromtimestamp(NOW_S, datetime.timezone.utc)
+
+
+def test_the_first_death_writes_x_death_and_the_first_death_headers_as_rabbitmq():
+    death = Death("t2", "rejected", "", ("t2", "cc1"), NOW_S, "60000")
+    out = record_death({"CC": ["cc1"], "zz": 1}, death, drop_cc=True)
+    assert list(out) == ["x-death", "x-first-death-exchange", "x-first-death-queue", "x-first-death-reason", "zz"]
+    assert out["x-death"] == [{"count": 1, "reason": "rejected", "queue": "t2", "time": NOW, "exchange": "",
+                               "routing-keys": ["t2", "cc1"], "original-expiration": "60000"}]
+    assert list(out["x-death"][0]) == ["count", "reason", "queue", "time", "exchange", "routing-keys",
+                                       "original-expiration"]
+    assert (out["x-first-death-reason"], out["x-first-death-queue"]) == ("rejected", "t2")
+
+
+def test_a_repeated_death_counts_up_keeps_the_old_entry_and_moves_it_first_as_rabbitmq():
+    old = [{"count": 1, "queue": "B", "reason": "rejected", "time": T0, "exchange": "e", "routing-keys": ["b"]},
+           {"count": 5, "queue": "s5", "reason": "rejected", "time": T0, "exchange": "old", "routing-keys": ["old"]}]
+    out = record_death({"x-death": old}, Death("s5", "rejected", "", ("s5",), NOW_S))
+    assert out["x-death"] == [
+        {"count": 6, "exchange": "old", "queue": "s5", "reason": "rejected", "routing-keys": ["old"], "time": T0},
+        old[0]]
+    assert "x-first-death-queue" not in out
+
+
+def test_a_new_death_goes_first_after_rabbitmqs_grouping_which_reverses_the_rest():
+    old = [{"count": 3, "queue": "A", "reason": "expired", "time": T0, "exchange": "e", "routing-keys": ["a"]},
+           {"count": 1, "queue": "B", "reason": "rejected", "time": T0, "exchange": "e", "routing-keys": ["b"]},
+           {"queue": "A", "reason": "expired", "time": T0, "exchange": "e2", "routing-keys": ["a2"]}]
+    out = record_death({"x-death": old, "zz": 1, "aa": 2}, Death("s5", "rejected", "", ("s5",), NOW_S))
+    assert list(out) == ["aa", "x-death", "zz"]
+    assert out["x-death"] == [
+        {"count": 1, "exchange": "", "queue": "s5", "reason": "rejected", "routing-keys": ["s5"], "time": NOW},
+        old[1], old[0]]
+
+
+def test_an_x_death_that_is_not_an_array_is_replaced():
+    out = record_death({"x-death": "oops"}, Death("s5", "rejected", "", ("s5",), NOW_S))
+    assert out == {"x-death": [{"count": 1, "reason": "rejected", "queue": "s5", "time": NOW, "exchange": "",
+                                "routing-keys": ["s5"]}]}
+
+
+def test_a_dead_letter_action_describes_its_death():
+    clock = Clock()
+    q = queue(clock, name="t1", message_ttl_ms=0, dead_letter_exchange="dlx")
+    [dl] = q.publish(m("a", exchange="ex", routing_keys=("k", "cc")), clock())
+    assert dl.death(NOW_S, "50") == Death("t1", "expired", "ex", ("k", "cc"), NOW_S, "50")
+
+
+def test_an_automatic_loop_back_into_a_queue_is_dropped_and_a_rejection_breaks_it_as_rabbitmq():
+    once = record_death(None, Death("c1", "expired", "", ("c1",), NOW_S))
+    assert dead_letter_cycles("expired", once, ["c1", "watch"]) == (["watch"], ["c1"])
+    rejected = record_death(None, Death("c2", "rejected", "", ("c2",), NOW_S))
+    assert dead_letter_cycles("rejected", rejected, ["c2"]) == (["c2"], [])
+    a_then_b = record_death(once, Death("B", "expired", "", ("B",), NOW_S))
+    assert dead_letter_cycles("expired", a_then_b, ["c1", "B"]) == ([], ["c1", "B"])
+    through_a_reject = record_death(rejected, Death("B", "maxlen", "", ("B",), NOW_S))
+    assert dead_letter_cycles("maxlen", through_a_reject, ["c2"]) == (["c2"], [])
+
+
+# -- arguments, as a RabbitMQ 3.10.8 node answered ---------------------------------------------------------------
+@pytest.mark.parametrize("arguments, text", [
+    ({"x-max-length": -1}, "invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}"),
+    ({"x-max-length": "5"}, "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got longstr\""),
+    ({"x-max-length": True}, "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got bool\""),
+    ({"x-message-ttl": -5}, "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_negative,-5}"),
+    ({"x-message-ttl": 315360000001},
+     "invalid arg 'x-message-ttl' for queue 'q' in vhost '/': {value_too_large,315360000001}"),
+    ({"x-expires": 0}, "invalid arg 'x-expires' for queue 'q' in vhost '/': {value_zero,0}"),
+    ({"x-expires": -1}, "invalid arg 'x-expires' for queue 'q' in vhost '/': {value_negative,-1}"),
+    ({"x-max-priority": 256}, "invalid arg 'x-max-priority' for queue 'q' in vhost '/': {max_value_exceeded,256}"),
+    ({"x-overflow": "foo"}, "invalid arg 'x-overflow' for queue 'q' in vhost '/': invalid_overflow"),
+    ({"x-overflow": 3}, "invalid arg 'x-overflow' for queue 'q' in vhost '/': {unacceptable_type,signedint}"),
+    ({"x-dead-letter-routing-key": "k"},
+     "invalid arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': routing_key_but_no_dlx_defined"),
+    ({"x-dead-letter-exchange": 5}, "invalid type 'signedint' for arg 'x-dead-letter-exchange' in queue 'q' in vhost '/'"),
+    ({"x-queue-mode": "weird"}, "invalid arg 'x-queue-mode' for queue 'q' in vhost '/': \"unsupported queue mode 'weird'\""),
+    ({"x-queue-type": "nope"}, "invalid arg 'x-queue-type' for queue 'q' in vhost '/': \"unsupported queue type 'nope'\""),
+    ({"x-queue-type": 1}, "invalid arg 'x-queue-type' for queue 'q' in vhost '/': {unacceptable_type,signedint}"),
+    ({"x-max-age": "1D"}, "invalid arg 'x-max-age' for queue 'q' in vhost '/' of queue type rabbit_classic_queue"),
+    ({"x-delivery-limit": 3, "x-foo": 1},
+     "invalid arg 'x-delivery-limit' for queue 'q' in vhost '/' of queue type rabbit_classic_queue"),
+    ({"x-dead-letter-routing-key": 5, "x-dead-letter-exchange": "dlx"},
+     "invalid arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': {unacceptable_type,signedint}"),
+    ({"x-max-length-bytes": -3, "x-max-length": -1},
+     "invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}"),
+    ({"x-single-active-consumer": "yes"},
+     "invalid arg 'x-single-active-consumer' for queue 'q' in vhost '/': {unacceptable_type,longstr}"),
+    ({"x-queue-version": 3}, "invalid arg 'x-queue-version' for queue 'q' in vhost '/': \"unsupported queue version '3'\""),
+    ({"x-max-length": Typed("double", 1.5)},
+     "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got double\""),
+])
+def test_invalid_queue_arguments_are_refused_with_rabbitmqs_text(arguments, text):
+    with pytest.raises(InvalidArgument) as refused:
+        parse_queue_args("q", arguments)
+    assert refused.value.reply_text == "PRECONDITION_FAILED - " + text and refused.value.reply_code == 406
+
+
+def test_valid_queue_arguments_mean_what_rabbitmq_means():
+    args = parse_queue_args("q", {"x-message-ttl": 0, "x-expires": 5, "x-max-length": 2 ** 40,
+                                  "x-max-length-bytes": 0, "x-overflow": "reject-publish-dlx",
+                                  "x-dead-letter-exchange": "", "x-dead-letter-routing-key": "rk",
+                                  "x-max-priority": 10, "x-queue-mode": "lazy", "x-queue-type": "classic",
+                                  "x-queue-version": 2, "x-foo": "ignored"})
+    assert args == QueueArgs(message_ttl_ms=0, expires_ms=5, max_length=2 ** 40, max_length_bytes=0,
+                             overflow="reject-publish-dlx", dead_letter_exchange="", dead_letter_routing_key="rk",
+                             max_priority=10, queue_mode="lazy", queue_version=2)
+    assert parse_queue_args("q", None) == QueueArgs()
+    with pytest.raises(InvalidArgument, match="unsupported queue type 'quorum'"):
+        parse_queue_args("q", {"x-queue-type": "quorum"})
+    with pytest.raises(InvalidArgument, match="x-single-active-consumer"):
+        parse_queue_args("q", {"x-single-active-consumer": True})
+
+
+@pytest.mark.parametrize("current, requested, text", [
+    ({}, {"arguments": {"x-message-ttl": 2000}},
+     "inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received the value '2000' of type 'signedint' "
+     "but current is none"),
+    ({}, {"durable": True}, "inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is "
+                            "'false'"),
+    ({}, {"auto_delete": True}, "inequivalent arg 'auto_delete' for queue 'q' in vhost '/': received 'true' but "
+                                "current is 'false'"),
+    ({"arguments": {"x-message-ttl": 1000}}, {"arguments": {"x-message-ttl": 2000}},
+     "inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '2000' but current is '1000'"),
+    ({"arguments": {"x-message-ttl": 1000}}, {},
+     "inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received none but current is the value '1000' of "
+     "type 'signedint'"),
+    ({"arguments": {"x-message-ttl": 1000}}, {"arguments": {"x-message-ttl": "1000"}},
+     "inequivalent arg 'x-message-ttl' for queue 'q' in vhost '/': received '1000' but current is '1000'"),
+    ({"arguments": {"x-dead-letter-exchange": "dlx"}}, {"arguments": {"x-dead-letter-exchange": "other"}},
+     "inequivalent arg 'x-dead-letter-exchange' for queue 'q' in vhost '/': received 'other' but current is 'dlx'"),
+    ({"arguments": {}}, {"arguments": {"x-overflow": "drop-head"}},
+     "inequivalent arg 'x-overflow' for queue 'q' in vhost '/': received the value 'drop-head' of type 'longstr' but "
+     "current is none"),
+    ({"arguments": {"x-single-active-consumer": True}}, {"arguments": {"x-single-active-consumer": False}},
+     "inequivalent arg 'x-single-active-consumer' for queue 'q' in vhost '/': received 'false' but current is 'true'"),
+])
+def test_an_inequivalent_redeclare_is_refused_with_rabbitmqs_text(current, requested, text):
+    with pytest.raises(InequivalentArgument) as refused:
+        check_redeclare(QueueSpec("q", **current), QueueSpec("q", **requested))
+    assert refused.value.reply_text == "PRECONDITION_FAILED - " + text
+
+
+def test_an_equivalent_redeclare_passes_and_an_exclusive_mismatch_is_locked():
+    same = {"x-message-ttl": 1000, "x-dead-letter-exchange": "dlx"}
+    check_redeclare(QueueSpec("q", arguments=same), QueueSpec("q", arguments={**same, "x-queue-type": "classic",
+                                                                               "x-foo": 1}))
+    check_redeclare(QueueSpec("q", arguments={"x-max-length": 5}),
+                    QueueSpec("q", arguments={"x-max-length": Typed("long", 5)}))
+    with pytest.raises(ResourceLocked) as locked:
+        check_redeclare(QueueSpec("e1"), QueueSpec("e1", owner="conn-1"))
+    assert locked.value.reply_code == 405 and locked.value.reply_text == (
+        "RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'e1' in vhost '/'. It could be originally "
+        "declared on another connection or the exclusive property value does not match that of the original "
+        "declaration.")
+
+
+@pytest.mark.parametrize("expiration, text", [
+    ("abc", "invalid expiration 'abc': no_integer"),
+    ("-1", "invalid expiration '-1': {value_negative,-1}"),
+    ("10x", "invalid expiration '10x': {leftover_string,\"x\"}"),
+    ("315360000001", "invalid expiration '315360000001': {value_too_large,315360000001}"),
+    (" 5", "invalid expiration ' 5': no_integer"),
+])
+def test_a_bad_expiration_is_refused_with_rabbitmqs_text(expiration, text):
+    with pytest.raises(InvalidExpiration) as refused:
+        parse_expiration(expiration)
+    assert refused.value.reply_text == "PRECONDITION_FAILED - " + text
+
+
+def test_expirations_and_consumer_priorities_that_pass():
+    assert [parse_expiration(x) for x in (None, "0", "+5", b"60000")] == [None, 0, 5, 60000]
+    assert consumer_priority("q", None) == 0 and consumer_priority("q", {"x-priority": -3}) == -3
+    with pytest.raises(InvalidArgument, match=re.escape("\"expected integer, got longstr\"")):
+        consumer_priority("q", {"x-priority": "high"})
