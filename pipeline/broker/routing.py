@@ -77,7 +77,8 @@ _HASH, _STAR = b"#", b"*"
 
 
 class RouteResult(NamedTuple):
-    """Where a publish goes: queue names (sorted, each once) and whether an alternate exchange took part."""
+    """Where a publish goes: queue names (sorted, each once), and ``alternate``: an exchange on the way
+    matched nothing and passed the message to its alternate exchange, which exists."""
 
     queues: tuple
     alternate: bool
@@ -539,12 +540,11 @@ class RoutingTable:
             dests = x.matches(routing_key, header_keys)
             if not dests:
                 ae = x.alternate
-                if ae is not None and ae not in seen:
-                    seen.add(ae)
-                    nx = exchanges.get(ae)
-                    if nx is not None:
-                        work.append(nx)
-                        alternate = True
+                if ae is not None and ae in exchanges:
+                    alternate = True
+                    if ae not in seen:
+                        seen.add(ae)
+                        work.append(exchanges[ae])
                 continue
             for kind, name in dests:
                 if kind == _Q:
