@@ -497,18 +497,19 @@ class RoutingTable:
         ``headers`` (the message's, decoded) matter only where ``needs_headers(exchange)``; None
         is a message without headers. Raises 404 for no such exchange, 403 for an internal one.
         """
-        if type(exchange) is not bytes:
-            exchange = _b(exchange)
-        if type(routing_key) is not bytes:
-            routing_key = _b(routing_key)
         self._routes += 1
-        if not exchange:
-            return RouteResult((routing_key,), False)
         key = (exchange, routing_key)
         hit = self._cache.get(key)
         if hit is not None:
             self._cache_hits += 1
             return hit
+        if type(exchange) is not bytes or type(routing_key) is not bytes:     # str: fine, but never cached
+            exchange, routing_key = _b(exchange), _b(routing_key)
+            key = (exchange, routing_key)
+        if not exchange:
+            result = RouteResult((routing_key,), False)
+            self._remember(key, result)
+            return result
         x = self._exchanges.get(exchange)
         if x is None:
             raise _refuse(NOT_FOUND, f"no {_rs('exchange', exchange)}", BASIC_PUBLISH)
@@ -518,10 +519,13 @@ class RoutingTable:
         if result.alternate:
             self._alternate_routes += 1
         if cacheable:
-            if len(self._cache) >= ROUTE_CACHE_MAX:
-                self._cache.clear()
-            self._cache[key] = result
+            self._remember(key, result)
         return result
+
+    def _remember(self, key: tuple, result: RouteResult) -> None:
+        if len(self._cache) >= ROUTE_CACHE_MAX:
+            self._cache.clear()
+        self._cache[key] = result
 
     def _walk(self, x: _Exchange, routing_key: bytes, headers) -> tuple[RouteResult, bool]:
         exchanges = self._exchanges
