@@ -54,14 +54,20 @@ def bodies(actions, kind=Deliver) -> list:
     return [a.message.payload for a in actions if isinstance(a, kind)]
 
 
+def answer(actions):
+    """The GetOk or GetEmpty among a basic.get's actions."""
+    [one] = [a for a in actions if isinstance(a, (GetOk, GetEmpty))]
+    return one
+
+
 def drain(q: Backlog, clock: Clock, channel="get") -> list:
     """Every ready message by basic.get (no-ack), as (body, redelivered)."""
     out = []
     while True:
-        last = q.get(channel, clock(), no_ack=True)[-1]
-        if isinstance(last, GetEmpty):
+        got = answer(q.get(channel, clock(), no_ack=True))
+        if isinstance(got, GetEmpty):
             return out
-        out.append((last.message.payload, last.redelivered))
+        out.append((got.message.payload, got.redelivered))
 
 
 def queue(clock, name="q", **args) -> Backlog:
@@ -205,7 +211,7 @@ def test_requeued_messages_go_back_in_their_original_order_as_rabbitmq():
         q.publish(m(str(i)), clock())
     ids = {}
     for _ in range(6):
-        ok = q.get("ch", clock())[-1]
+        ok = answer(q.get("ch", clock()))
         ids[ok.message.payload] = ok.message.id
     for b in ("5", "2", "6", "1"):            # nacked one at a time, in this order
         q.reject("ch", [ids[b]], clock(), requeue=True)
@@ -219,10 +225,10 @@ def test_a_message_requeued_twice_still_goes_back_to_its_place():
     q = queue(clock)
     for i in range(1, 5):
         q.publish(m(str(i)), clock())
-    m1 = q.get("ch", clock())[-1].message
-    m2 = q.get("ch", clock())[-1].message
+    m1 = answer(q.get("ch", clock())).message
+    m2 = answer(q.get("ch", clock())).message
     q.reject("ch", [m2.id], clock(), requeue=True)
-    again = q.get("ch", clock())[-1]
+    again = answer(q.get("ch", clock()))
     assert again.message is m2 and again.redelivered
     q.reject("ch", [m1.id, m2.id], clock(), requeue=True)
     assert drain(q, clock) == [("1", True), ("2", True), ("3", False), ("4", False)]
@@ -232,13 +238,13 @@ def test_reject_without_requeue_dead_letters_or_drops():
     clock = Clock()
     q = queue(clock, dead_letter_exchange="dlx", dead_letter_routing_key="dead")
     q.publish(m("a", routing_keys=("q",)), clock())
-    ok = q.get("ch", clock())[-1]
+    ok = answer(q.get("ch", clock()))
     [dl] = q.reject("ch", [ok.message.id], clock(), requeue=False)
     assert (dl.reason, dl.exchange, dl.routing_keys, dl.queue, dl.at_ns) == ("rejected", "dlx", ("dead",), "q",
                                                                            clock())
     plain = queue(clock)
     plain.publish(m("a"), clock())
-    ok = plain.get("ch", clock())[-1]
+    ok = answer(plain.get("ch", clock()))
     assert plain.reject("ch", [ok.message.id], clock(), requeue=False) == [Forget(ok.message, "rejected")]
     assert plain.statistics().rejected == 1
 
@@ -302,7 +308,7 @@ def test_a_per_message_expiration_waits_behind_a_longer_lived_head_as_rabbitmq()
     clock.advance(300)
     assert q.expire(clock()) == []                              # only heads expire
     assert q.next_deadline_ns() == clock() + 700 * MS
-    gone, ok = q.get("ch", clock(), no_ack=True)                # the new head is checked after the fetch
+    ok, gone = q.get("ch", clock(), no_ack=True)                # the new head is checked after the fetch
     assert (ok.message.payload, ok.remaining) == ("long", 0)
     assert (gone.message.payload, gone.outcome) == ("short", "expired")
 
@@ -394,7 +400,7 @@ def test_a_priority_queue_serves_high_first_fifo_within_a_level_and_keeps_that_a
     q = queue(clock, max_priority=5)
     for i, p in enumerate([1, 5, 1, 3, 0, 9, None]):
         q.publish(m(f"m{i}p{p}", priority=p), clock())
-    got = [q.get("ch", clock())[-1].message for _ in range(7)]
+    got = [answer(q.get("ch", clock())).message for _ in range(7)]
     for msg in reversed(got):
         q.reject("ch", [msg.id], clock(), requeue=True)
     assert [b for b, _ in drain(q, clock)] == ["m1p5", "m5p9", "m3p3", "m0p1", "m2p1", "m4p0", "m6pNone"]
@@ -678,3 +684,310 @@ def test_expirations_and_consumer_priorities_that_pass():
     assert consumer_priority("q", None) == 0 and consumer_priority("q", {"x-priority": -3}) == -3
     with pytest.raises(InvalidArgument, match=re.escape("\"expected integer, got longstr\"")):
         consumer_priority("q", {"x-priority": "high"})
+
+
+# -- every rule at once ------------------------------------------------------------------------------------
+CHANNELS = ("ch1", "ch2", "ch3")
+TRANSPORTS = ("r1", "r2")
+ALLOWED_FROM = {"acked": {"unacked"}, "expired": {"ready", "new"}, "dropped": {"ready"},
+                "rejected": {"unacked", "new"}, "purged": {"ready"}, "deleted": {"ready", "unacked"}}
+rooms = st.one_of(st.none(), st.dictionaries(st.sampled_from(CHANNELS + TRANSPORTS), st.integers(0, 3)))
+
+
+def started(machine) -> bool:
+    return hasattr(machine, "q")
+
+
+class QueueMachine(RuleBasedStateMachine):
+    """A model of every message's state, checked against each action the core returns."""
+
+    @initialize(ttl=st.sampled_from([None, None, 0, 30, 200]), max_len=st.sampled_from([None, None, 0, 3, 8]),
+                max_bytes=st.sampled_from([None, None, 25]),
+                overflow=st.sampled_from(["drop-head", "reject-publish", "reject-publish-dlx"]),
+                dlx=st.sampled_from([None, "dlx"]), max_priority=st.sampled_from([None, None, 3]))
+    def start(self, ttl, max_len, max_bytes, overflow, dlx, max_priority):
+        self.t = 5_000 * MS
+        self.args = QueueArgs(message_ttl_ms=ttl, max_length=max_len, max_length_bytes=max_bytes, overflow=overflow,
+                              dead_letter_exchange=dlx, max_priority=max_priority)
+        self.q = Backlog("q", self.t, self.args)
+        self.state: dict[int, object] = {}       # id -> "new" | "ready" | ("unacked", channel, consumer) | ("gone", how)
+        self.msgs: dict[int, Message] = {}
+        self.delivered_before: set[int] = set()
+        self.consumers: dict[str, dict] = {}
+        self.next_consumer = 0
+        self.exclusive = None
+        self.limits: dict[str, int] = {}
+        self.answers: dict[tuple, list] = {}     # (publisher, seq) -> [Confirm/Nack, ...]
+        self.refused: set[tuple] = set()
+        self.unsafe: set[int] = set()            # ids whose confirm waits for mark_safe or their end
+        self.seq = 0
+
+    # -- the model's view ----------------------------------------------------------------------------------
+    def ready(self) -> list[int]:
+        return [i for i, s in self.state.items() if s == "ready"]
+
+    def held(self, channel) -> list[int]:
+        return [i for i, s in self.state.items() if isinstance(s, tuple) and s[0] == "unacked" and s[1] == channel]
+
+    def head(self) -> int:
+        ready = self.ready()
+        top = max(self.msgs[i].level for i in ready)
+        return min(i for i in ready if self.msgs[i].level == top)
+
+    def ends(self, how) -> int:
+        return sum(1 for s in self.state.values() if s == ("gone", how))
+
+    def leave_ready(self, msg, why) -> None:
+        assert self.state[msg.id] == "ready", (why, msg, self.state[msg.id])
+        assert msg.id == self.head(), f"{why} took {msg.id}, the head is {self.head()}"
+
+    # -- applying the core's actions to the model ---------------------------------------------------------
+    def apply(self, actions, *, new=None, room=None) -> None:
+        used = {}
+        for a in actions:
+            if isinstance(a, (Confirm, Nack)):
+                key = (a.publisher, a.seq)
+                assert not self.answers.get(key), f"{key} answered twice"
+                self.answers.setdefault(key, []).append(type(a))
+                assert isinstance(a, Confirm) or key in self.refused
+                self.unsafe.discard(a.seq)
+                continue
+            if isinstance(a, DeleteQueue):
+                raise AssertionError(f"unexpected {a}")
+            if isinstance(a, GetEmpty):
+                assert not self.ready()
+                continue
+            msg = a.message
+            was = self.state[msg.id]
+            if isinstance(a, (Deliver, GetOk)):
+                if was == "new":
+                    assert isinstance(a, Deliver) and not self.ready(), "straight to a consumer past a backlog"
+                else:
+                    self.leave_ready(msg, "a delivery")
+                    assert msg.expires_ns is None or self.t < msg.expires_ns, "delivered after its expiry"
+                assert a.redelivered == (msg.id in self.delivered_before)
+                self.delivered_before.add(msg.id)
+                if isinstance(a, Deliver):
+                    c = self.consumers[a.consumer]
+                    mine = [i for i in self.held(c["channel"]) if self.state[i][2] == a.consumer]
+                    theirs = [i for i in self.held(c["channel"]) if self.state[i][2] is not None]
+                    if c["prefetch"] and not c["no_ack"]:
+                        assert len(mine) < c["prefetch"], "over the consumer's prefetch"
+                    if self.limits.get(c["channel"]):
+                        assert len(theirs) < self.limits[c["channel"]], "over the channel's limit"
+                    if room is not None:
+                        used[c["transport"]] = used.get(c["transport"], 0) + 1
+                        assert used[c["transport"]] <= room.get(c["transport"], 0), "over the transport's room"
+                    channel, consumer = c["channel"], a.consumer
+                else:
+                    channel, consumer = a.channel, None
+                if a.no_ack:
+                    self.state[msg.id] = ("gone", "acked")
+                else:
+                    self.state[msg.id] = ("unacked", channel, consumer)
+                continue
+            how = a.outcome if isinstance(a, Forget) else "dead_lettered"
+            source = was if isinstance(was, str) else was[0]
+            if isinstance(a, Forget):
+                assert source in ALLOWED_FROM[how], (how, was)
+            else:
+                assert a.exchange == self.args.dead_letter_exchange is not None
+                assert (a.reason, source) in {("expired", "ready"), ("expired", "new"), ("maxlen", "ready"),
+                                              ("maxlen", "new"), ("rejected", "unacked")}, (a.reason, was)
+            reason = a.outcome if isinstance(a, Forget) else a.reason
+            if source == "ready" and reason in ("expired", "dropped", "maxlen"):
+                self.leave_ready(msg, reason)
+            if reason == "expired":
+                assert msg.expires_ns is not None and self.t >= msg.expires_ns, "expired early"
+            self.state[msg.id] = ("gone", how)
+        if new is not None:
+            assert self.state[new.id] != "new", "a publish left its message nowhere"
+
+    # -- rules -----------------------------------------------------------------------------------------------
+    @precondition(started)
+    @rule(size=st.integers(0, 12), priority=st.sampled_from([None, 0, 1, 2, 5]),
+          expiration=st.sampled_from([None, None, 0, 20, 100]), confirm=st.sampled_from(["none", "safe", "unsafe"]),
+          room=rooms)
+    def publish(self, size, priority, expiration, confirm, room):
+        self.seq += 1
+        publisher = None if confirm == "none" else "p"
+        msg = Message(f"m{self.seq}", size, priority=priority, expiration_ms=expiration, publisher=publisher,
+                      seq=self.seq)
+        ready = self.ready()
+        a = self.args
+        over = ((a.max_length is not None and len(ready) + 1 > a.max_length) or
+                (a.max_length_bytes is not None and sum(self.msgs[i].size for i in ready) + size > a.max_length_bytes))
+        refused = a.overflow != "drop-head" and over
+        if refused and publisher:
+            self.refused.add(("p", self.seq))
+        given = None if room is None else dict(room)
+        actions = self.q.publish(msg, self.t, safe=confirm != "unsafe", room=room)
+        self.msgs[msg.id] = msg
+        assert msg.id == len(self.msgs)
+        ttls = [x for x in (a.message_ttl_ms, expiration) if x is not None]
+        assert msg.expires_ns == (self.t + min(ttls) * MS if ttls else None)
+        assert msg.level == (min(priority or 0, a.max_priority) if a.max_priority else 0)
+        direct = any(isinstance(x, Deliver) and x.message is msg for x in actions)
+        self.state[msg.id] = "new" if refused or direct or (a.message_ttl_ms == 0 and a.dead_letter_exchange is None) \
+            else "ready"
+        if confirm == "unsafe" and not refused:
+            self.unsafe.add(self.seq)
+        self.apply(actions, new=msg, room=given)
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS), transport=st.sampled_from([None, "r1", "r2"]), no_ack=st.booleans(),
+          prefetch=st.sampled_from([0, 1, 2, 3]), priority=st.sampled_from([0, 0, 1]),
+          exclusive=st.sampled_from([False, False, False, True]))
+    def consume(self, channel, transport, no_ack, prefetch, priority, exclusive):
+        self.next_consumer += 1
+        key = f"c{self.next_consumer}"
+        refused = self.exclusive is not None or (exclusive and bool(self.consumers))
+        try:
+            self.q.consume(key, channel, self.t, no_ack=no_ack, prefetch=prefetch, priority=priority,
+                           exclusive=exclusive, transport=transport)
+        except AccessRefused:
+            assert refused
+            return
+        assert not refused
+        self.consumers[key] = {"channel": channel, "transport": transport or channel, "no_ack": no_ack,
+                               "prefetch": prefetch}
+        if exclusive:
+            self.exclusive = key
+
+    @precondition(lambda self: started(self) and self.consumers)
+    @rule(data=st.data())
+    def cancel(self, data):
+        key = data.draw(st.sampled_from(sorted(self.consumers)))
+        del self.consumers[key]
+        if self.exclusive == key:
+            self.exclusive = None
+        self.apply(self.q.cancel(key, self.t))
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS), limit=st.sampled_from([0, 1, 2, 4]))
+    def set_channel_prefetch(self, channel, limit):
+        self.q.set_channel_prefetch(channel, limit)
+        self.limits[channel] = limit
+
+    @precondition(started)
+    @rule(room=rooms)
+    def deliver(self, room):
+        given = None if room is None else dict(room)
+        self.apply(self.q.deliver(self.t, room), room=given)
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS), no_ack=st.booleans())
+    def get(self, channel, no_ack):
+        actions = self.q.get(channel, self.t, no_ack=no_ack)
+        got = answer(actions)
+        self.apply(actions)
+        if isinstance(got, GetOk):
+            assert got.remaining == len(self.ready())
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS), data=st.data(), stale=st.booleans())
+    def ack(self, channel, data, stale):
+        ids = data.draw(st.lists(st.sampled_from(self.held(channel)), unique=True)) if self.held(channel) else []
+        if stale:
+            ids = ids + [i for i in self.held("ch1" if channel != "ch1" else "ch2")][:1] + [10_000]
+        self.apply(self.q.ack(channel, ids))
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS), data=st.data(), requeue=st.booleans())
+    def reject(self, channel, data, requeue):
+        ids = data.draw(st.permutations(self.held(channel)))[:data.draw(st.integers(0, 4))]
+        actions = self.q.reject(channel, ids, self.t, requeue=requeue)
+        if requeue:
+            self.put_back(ids)
+        self.apply(actions)
+
+    def put_back(self, ids) -> None:
+        """A requeue returns no action: the messages are simply ready again."""
+        for i in ids:
+            self.state[i] = "ready"
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS))
+    def recover(self, channel):
+        held = self.held(channel)
+        actions = self.q.recover(channel, self.t)
+        self.put_back(held)
+        self.apply(actions)
+
+    @precondition(started)
+    @rule(channel=st.sampled_from(CHANNELS))
+    def channel_closed(self, channel):
+        for key in [k for k, c in self.consumers.items() if c["channel"] == channel]:
+            del self.consumers[key]
+            if self.exclusive == key:
+                self.exclusive = None
+        self.limits.pop(channel, None)
+        held = self.held(channel)
+        actions = self.q.channel_closed(channel, self.t)
+        self.put_back(held)
+        self.apply(actions)
+        assert not self.held(channel)
+
+    @precondition(started)
+    @rule(ms=st.integers(0, 60))
+    def time_passes(self, ms):
+        self.t += ms * MS
+        due = self.q.next_deadline_ns()
+        self.apply(self.q.expire(self.t))
+        if due is not None and due <= self.t:
+            assert not self.ready() or self.msgs[self.head()].expires_ns is None \
+                or self.msgs[self.head()].expires_ns > self.t
+
+    @precondition(lambda self: started(self) and self.unsafe)
+    @rule(data=st.data())
+    def mark_safe(self, data):
+        seqs = data.draw(st.lists(st.sampled_from(sorted(self.unsafe)), unique=True))
+        confirms = self.q.mark_safe(seqs)            # seq == id here: one publish, one id
+        assert sorted(c.seq for c in confirms) == sorted(seqs)
+        self.apply(confirms)
+
+    @precondition(started)
+    @rule()
+    def purge(self):
+        count, actions = self.q.purge(self.t)
+        assert count == len(self.ready()) == len(actions) - sum(isinstance(a, Confirm) for a in actions)
+        self.apply(actions)
+        assert not self.ready()
+
+    # -- invariants -------------------------------------------------------------------------------------------
+    @precondition(started)
+    @invariant()
+    def every_message_is_in_exactly_one_place_and_the_statistics_add_up(self):
+        s = self.q.statistics()
+        ready = self.ready()
+        unacked = [i for i, st_ in self.state.items() if isinstance(st_, tuple) and st_[0] == "unacked"]
+        assert "new" not in self.state.values()
+        assert (s.messages_ready, s.messages_unacknowledged) == (len(ready), len(unacked))
+        assert s.message_bytes_ready == sum(self.msgs[i].size for i in ready)
+        assert s.message_bytes_unacknowledged == sum(self.msgs[i].size for i in unacked)
+        assert s.consumers == len(self.consumers) and s.published == len(self.msgs)
+        for how in ("acked", "expired", "dead_lettered", "dropped", "rejected", "purged", "deleted"):
+            assert getattr(s, how) == self.ends(how), how
+        assert s.published == len(ready) + len(unacked) + sum(
+            getattr(s, how) for how in ("acked", "expired", "dead_lettered", "dropped", "rejected", "purged",
+                                        "deleted"))
+        assert s.unconfirmed == len(self.unsafe)
+
+    @precondition(started)
+    @invariant()
+    def the_next_deadline_is_the_heads_expiry(self):
+        due = self.q.next_deadline_ns()
+        assert due == (self.msgs[self.head()].expires_ns if self.ready() else None)
+
+    def teardown(self):
+        if not started(self):
+            return
+        self.apply(self.q.delete(self.t)[1])
+        assert all(s[0] == "gone" for s in self.state.values())
+        for i, msg in self.msgs.items():
+            if msg.publisher is not None:
+                assert len(self.answers.get(("p", msg.seq), [])) == 1, f"publish {msg.seq}: {self.answers.get(('p', msg.seq))}"
+
+
+QueueMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+TestQueueMachine = QueueMachine.TestCase

@@ -656,7 +656,11 @@ class Backlog:
                 self._activate(c)
 
     def get(self, channel: Hashable, now_ns: int, *, no_ack: bool = False) -> list:
-        """``basic.get``: the head as a ``GetOk``, or ``GetEmpty`` (last in the actions)."""
+        """``basic.get``: exactly one ``GetOk`` (the head) or ``GetEmpty`` among the actions.
+
+        Expired heads go first; after the fetch the new head is checked too,
+        as RabbitMQ does, and ``remaining`` counts what is left after that.
+        """
         if self._gone:
             raise ShellMisuse(f"INTERNAL_ERROR - {resource(self.name)} was deleted")
         self._last_used_ns = now_ns
@@ -679,8 +683,10 @@ class Backlog:
             self._channel(channel).held[msg.id] = (msg, None)
             self._unacked += 1
             self._unacked_bytes += msg.size
+        answer = len(actions)
+        actions.append(None)
         self._expire_heads(now_ns, actions)
-        actions.append(GetOk(channel, msg, redelivered, no_ack, self._ready))
+        actions[answer] = GetOk(channel, msg, redelivered, no_ack, self._ready)
         return actions
 
     def _take(self, ch: _Channel, ids: Iterable[int]) -> list:
