@@ -337,7 +337,8 @@ def test_topic_keys_with_many_words_against_many_hashes_take_no_exponential_time
 
 # a binding per line, and what a RabbitMQ 3.10.8 node delivered for each message's headers
 HEADER_BINDINGS = {
-    "all_a1": {"a": 1}, "any_a1_b2": {"x-match": "any", "a": 1, "b": 2}, "all_a1_b2": {"x-match": "all", "a": 1, "b": 2},
+    "all_a1": {"a": 1}, "any_a1_b2": {"x-match": "any", "a": 1, "b": 2},
+    "all_a1_b2": {"x-match": "all", "a": 1, "b": 2},
     "a_float": {"a": 1.0}, "a_str1": {"a": "1"}, "a_bytes": {"a": b"1"}, "a_bin": {"a": bytearray(b"1")},
     "a_true": {"a": True}, "a_void": {"a": None}, "any_void_b": {"x-match": "any", "b": None},
     "x_only": {"x-foo": "bar"}, "allwx_xfoo": {"x-match": "all-with-x", "x-foo": "bar"},
@@ -548,7 +549,8 @@ def busy_table(**kw) -> RoutingTable:
     t.add_queue("tq", durable=False)
     t.add_queue(b"odd\xff", durable=False)         # any bytes in a snapshot; definitions hold UTF-8 names
     t.add_queue("café", durable=True)
-    t.declare_exchange("dx", "topic", durable=True, arguments={"alternate-exchange": "ae", "n": decimal.Decimal("2.50")})
+    t.declare_exchange("dx", "topic", durable=True,
+                       arguments={"alternate-exchange": "ae", "n": decimal.Decimal("2.50")})
     t.declare_exchange("ae", "fanout", durable=True, internal=True)
     t.declare_exchange("tx", "headers", auto_delete=True)
     t.bind_queue("dx", "dq", "a.#")

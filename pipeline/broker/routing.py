@@ -39,6 +39,12 @@ array with the same bytes; ``True`` equals only ``True``; decimals as
 arrays. A decoded value has lost its exact type, so inside tables and arrays
 integers of different widths (and float vs double) compare equal here where
 RabbitMQ tells them apart.
+
+Not here: the CC and BCC headers (sender-selected distribution, which add
+routing keys), direct reply-to (``amq.rabbitmq.reply-to``), policies (an
+alternate exchange set by policy), exchange types from plugins, and
+RabbitMQ's "invalid exchange type" for a type name that happens to be an
+Erlang atom (always "unknown exchange type" here).
 """
 
 from __future__ import annotations
@@ -243,8 +249,8 @@ def _val(value) -> str:
     return f"'{_erlang(value)}'"
 
 
-def _typed_val(value) -> str:
-    if value is None:
+def _typed_val(value, present: bool) -> str:
+    if not present:
         return "none"
     shown = _shown(_b(value)) if isinstance(value, (str, bytes)) else _erlang(value)
     return f"the value '{shown}' of type '{field_type(value)}'"
@@ -626,7 +632,8 @@ class RoutingTable:
         if key not in x.arguments and key not in arguments:
             return
         if key not in x.arguments or key not in arguments:
-            raise self._inequivalent(x.name, key, _typed_val(want), _typed_val(have))
+            raise self._inequivalent(x.name, key, _typed_val(want, key in arguments),
+                                     _typed_val(have, key in x.arguments))
         same_class = (_TYPE_CLASS.get(field_type(have), field_type(have))
                       == _TYPE_CLASS.get(field_type(want), field_type(want)))
         if not (same_class and field_key(have) == field_key(want)):
@@ -860,6 +867,8 @@ class RoutingTable:
             op = change[0]
             if op == "x+":
                 _, name, kind, flags, args = change
+                if _b(name) in self._exchanges:
+                    continue
                 self._add_exchange(_b(name), kind, flags & DURABLE, flags & AUTO_DELETE, flags & INTERNAL,
                                    _table_from_json(args))
             elif op == "x-":
