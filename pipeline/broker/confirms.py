@@ -43,7 +43,9 @@ from confirm.select; transactional publishes are numbered too, as RabbitMQ
 numbers them) and must increase. Frames are ``(kind, delivery_tag,
 multiple)`` tuples, ``kind`` one of ``ACK``, ``NACK``, ``COMMIT_OK`` (tag 0).
 Refusals raise ``ChannelLevelError`` / ``ConnectionLevelError``
-(``pipeline.amqp.errors``) and change nothing; misuse by the shell raises
+(``pipeline.amqp.errors``) and change nothing, but for "partial tx
+completion", raised by the queue event that ends a failed commit (it is
+over: the shell closes the channel); misuse by the shell raises
 ``ValueError``.
 """
 
