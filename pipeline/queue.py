@@ -81,6 +81,7 @@ class PageFile:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's length word, give or take
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
 DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
@@ -464,13 +465,17 @@ class Queue(Stage):
             self.peak_messages = backlog
 
     def deliver_ready(self) -> None:
-        """Round-robin over consumers with prefetch room and room in their reader's window."""
+        """Round-robin over consumers with prefetch room and room in their reader's window: at most
+        DELIVERY_WINDOW deliveries in flight, and only what the ring has space for (a delivery never
+        waits in this process's memory, so big bodies are not held twice)."""
         messages = self.messages
         room = {}
+        space = {}
         for c in self.consumers:
             if c.link.link_id not in room:
                 stats = c.link.ring.statistics()
-                room[c.link.link_id] = DELIVERY_WINDOW - (stats.in_flight + len(c.link.overflow))
+                room[c.link.link_id] = 0 if c.link.overflow else DELIVERY_WINDOW - stats.in_flight
+                space[c.link.link_id] = c.link.ring.free_bytes() - DELIVERY_HEAD_BYTES * 2
         consumers = self.consumers
         n = len(consumers)
         idle = 0
@@ -480,8 +485,15 @@ class Queue(Stage):
             if room[c.link.link_id] <= 0 or (c.prefetch and c.unacked >= c.prefetch):
                 idle += 1
                 continue
+            head = messages[0][1]
+            need = (head.length if type(head) is Paged else len(head)) + DELIVERY_HEAD_BYTES + len(c.ctag_bytes)
+            if need > space[c.link.link_id] and room[c.link.link_id] < DELIVERY_WINDOW:
+                room[c.link.link_id] = 0          # the ring is full for now; a SPACE token brings us back
+                idle += 1
+                continue
             idle = 0
             room[c.link.link_id] -= 1
+            space[c.link.link_id] -= need
             msg_id, record, redelivered, on_store = messages.popleft()
             record = self.page_in(record, True)
             flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if c.no_ack else 0)

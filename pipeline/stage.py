@@ -339,7 +339,7 @@ class Stage:
         handled = 0
         batch = self.read_batch
         for link in list(self.in_links.values()):
-            while link.link_id in self.in_links and self.wants_records(link):
+            while link.link_id in self.in_links and self.wants_records(link) and self.can_read_more():
                 records = link.read(batch)
                 if not records:
                     break

@@ -342,3 +342,23 @@ def test_a_close_right_behind_pipelined_methods_is_answered_after_them(broker):
         got = names(frames_until(s, lambda got: "Connection.CloseOk" in names(got)))
         assert got == ["Queue.DeclareOk", "Basic.QosOk", "Connection.CloseOk"], got
         s.close()
+
+
+def test_a_no_ack_consumer_that_stops_reading_holds_back_only_what_its_buffers_hold(broker):
+    """Back-pressure from a client's socket reaches the queue: its reader stops taking deliveries once
+    its own output buffer is full, so the backlog stays in the queue instead of moving into the reader."""
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("stalled")
+    body = b"x" * 4000
+    for _ in range(20_000):
+        ch.basic_publish("", "stalled", body)
+    conn.close()
+    s = raw_amqp_connection(broker.port)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1)
+              + frame.marshal(commands.Basic.Consume(queue="stalled", no_ack=True), 1))
+    time.sleep(3)                      # and never read again
+    left = broker.process("queue-stalled")["messages"]
+    assert left >= 16_000, f"only {left} of 20,000 still in the queue: the reader kept pulling"
+    s.close()
