@@ -508,9 +508,9 @@ def test_ids_start_where_the_shell_says_and_a_restarted_queue_restores_its_backl
 
 
 # -- dead-letter headers and cycles ---------------------------------------------------------------------------
-T0 = datetime.datetime(2020, 1, 1, tzinfo=datetime.timezone.utc)
+T0 = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
 NOW_S = 1_700_000_000
-NOW = datetime.datetime.fromtimestamp(NOW_S, datetime.timezone.utc)
+NOW = datetime.datetime.fromtimestamp(NOW_S, datetime.UTC)
 
 
 def test_the_first_death_writes_x_death_and_the_first_death_headers_as_rabbitmq():
@@ -584,9 +584,12 @@ def test_an_automatic_loop_back_into_a_queue_is_dropped_and_a_rejection_breaks_i
     ({"x-overflow": 3}, "invalid arg 'x-overflow' for queue 'q' in vhost '/': {unacceptable_type,signedint}"),
     ({"x-dead-letter-routing-key": "k"},
      "invalid arg 'x-dead-letter-routing-key' for queue 'q' in vhost '/': routing_key_but_no_dlx_defined"),
-    ({"x-dead-letter-exchange": 5}, "invalid type 'signedint' for arg 'x-dead-letter-exchange' in queue 'q' in vhost '/'"),
-    ({"x-queue-mode": "weird"}, "invalid arg 'x-queue-mode' for queue 'q' in vhost '/': \"unsupported queue mode 'weird'\""),
-    ({"x-queue-type": "nope"}, "invalid arg 'x-queue-type' for queue 'q' in vhost '/': \"unsupported queue type 'nope'\""),
+    ({"x-dead-letter-exchange": 5},
+     "invalid type 'signedint' for arg 'x-dead-letter-exchange' in queue 'q' in vhost '/'"),
+    ({"x-queue-mode": "weird"},
+     "invalid arg 'x-queue-mode' for queue 'q' in vhost '/': \"unsupported queue mode 'weird'\""),
+    ({"x-queue-type": "nope"},
+     "invalid arg 'x-queue-type' for queue 'q' in vhost '/': \"unsupported queue type 'nope'\""),
     ({"x-queue-type": 1}, "invalid arg 'x-queue-type' for queue 'q' in vhost '/': {unacceptable_type,signedint}"),
     ({"x-max-age": "1D"}, "invalid arg 'x-max-age' for queue 'q' in vhost '/' of queue type rabbit_classic_queue"),
     ({"x-delivery-limit": 3, "x-foo": 1},
@@ -597,7 +600,8 @@ def test_an_automatic_loop_back_into_a_queue_is_dropped_and_a_rejection_breaks_i
      "invalid arg 'x-max-length' for queue 'q' in vhost '/': {value_negative,-1}"),
     ({"x-single-active-consumer": "yes"},
      "invalid arg 'x-single-active-consumer' for queue 'q' in vhost '/': {unacceptable_type,longstr}"),
-    ({"x-queue-version": 3}, "invalid arg 'x-queue-version' for queue 'q' in vhost '/': \"unsupported queue version '3'\""),
+    ({"x-queue-version": 3},
+     "invalid arg 'x-queue-version' for queue 'q' in vhost '/': \"unsupported queue version '3'\""),
     ({"x-max-length": Typed("double", 1.5)},
      "invalid arg 'x-max-length' for queue 'q' in vhost '/': \"expected integer, got double\""),
 ])
@@ -691,7 +695,7 @@ CHANNELS = ("ch1", "ch2", "ch3")
 TRANSPORTS = ("r1", "r2")
 ALLOWED_FROM = {"acked": {"unacked"}, "expired": {"ready", "new"}, "dropped": {"ready"},
                 "rejected": {"unacked", "new"}, "purged": {"ready"}, "deleted": {"ready", "unacked"}}
-rooms = st.one_of(st.none(), st.dictionaries(st.sampled_from(CHANNELS + TRANSPORTS), st.integers(0, 3)))
+rooms = st.one_of(st.none(), st.none(), st.dictionaries(st.sampled_from(CHANNELS + TRANSPORTS), st.integers(0, 4)))
 
 
 def started(machine) -> bool:
@@ -710,7 +714,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.args = QueueArgs(message_ttl_ms=ttl, max_length=max_len, max_length_bytes=max_bytes, overflow=overflow,
                               dead_letter_exchange=dlx, max_priority=max_priority)
         self.q = Backlog("q", self.t, self.args)
-        self.state: dict[int, object] = {}       # id -> "new" | "ready" | ("unacked", channel, consumer) | ("gone", how)
+        # id -> "new" | "ready" | ("unacked", channel, consumer or None) | ("gone", how)
+        self.state: dict[int, object] = {}
         self.msgs: dict[int, Message] = {}
         self.delivered_before: set[int] = set()
         self.consumers: dict[str, dict] = {}
@@ -752,8 +757,7 @@ class QueueMachine(RuleBasedStateMachine):
                 assert isinstance(a, Confirm) or key in self.refused
                 self.unsafe.discard(a.seq)
                 continue
-            if isinstance(a, DeleteQueue):
-                raise AssertionError(f"unexpected {a}")
+            assert not isinstance(a, DeleteQueue), "no auto_delete or x-expires here"
             if isinstance(a, GetEmpty):
                 assert not self.ready()
                 continue
@@ -805,9 +809,14 @@ class QueueMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------------------------
     @precondition(started)
-    @rule(size=st.integers(0, 12), priority=st.sampled_from([None, 0, 1, 2, 5]),
-          expiration=st.sampled_from([None, None, 0, 20, 100]), confirm=st.sampled_from(["none", "safe", "unsafe"]),
+    @rule(batch=st.lists(st.tuples(st.integers(0, 12), st.sampled_from([None, 0, 1, 2, 5]),
+                                   st.sampled_from([None, None, None, 0, 20, 100]),
+                                   st.sampled_from(["none", "safe", "unsafe"])), min_size=1, max_size=4),
           room=rooms)
+    def publish_some(self, batch, room):
+        for size, priority, expiration, confirm in batch:
+            self.publish(size, priority, expiration, confirm, room)
+
     def publish(self, size, priority, expiration, confirm, room):
         self.seq += 1
         publisher = None if confirm == "none" else "p"
@@ -834,9 +843,12 @@ class QueueMachine(RuleBasedStateMachine):
             self.unsafe.add(self.seq)
         self.apply(actions, new=msg, room=given)
 
-    @precondition(started)
+    def holding(self) -> list[str]:
+        return [ch for ch in CHANNELS if self.held(ch)]
+
+    @precondition(lambda self: started(self) and len(self.consumers) < 4)
     @rule(channel=st.sampled_from(CHANNELS), transport=st.sampled_from([None, "r1", "r2"]), no_ack=st.booleans(),
-          prefetch=st.sampled_from([0, 1, 2, 3]), priority=st.sampled_from([0, 0, 1]),
+          prefetch=st.sampled_from([0, 0, 1, 3]), priority=st.sampled_from([0, 0, 1]),
           exclusive=st.sampled_from([False, False, False, True]))
     def consume(self, channel, transport, no_ack, prefetch, priority, exclusive):
         self.next_consumer += 1
@@ -864,18 +876,18 @@ class QueueMachine(RuleBasedStateMachine):
         self.apply(self.q.cancel(key, self.t))
 
     @precondition(started)
-    @rule(channel=st.sampled_from(CHANNELS), limit=st.sampled_from([0, 1, 2, 4]))
+    @rule(channel=st.sampled_from(CHANNELS), limit=st.sampled_from([0, 1, 1, 2]))
     def set_channel_prefetch(self, channel, limit):
         self.q.set_channel_prefetch(channel, limit)
         self.limits[channel] = limit
 
-    @precondition(started)
+    @precondition(lambda self: started(self) and self.ready() and self.consumers)
     @rule(room=rooms)
     def deliver(self, room):
         given = None if room is None else dict(room)
         self.apply(self.q.deliver(self.t, room), room=given)
 
-    @precondition(started)
+    @precondition(lambda self: started(self) and self.ready())
     @rule(channel=st.sampled_from(CHANNELS), no_ack=st.booleans())
     def get(self, channel, no_ack):
         actions = self.q.get(channel, self.t, no_ack=no_ack)
@@ -884,18 +896,20 @@ class QueueMachine(RuleBasedStateMachine):
         if isinstance(got, GetOk):
             assert got.remaining == len(self.ready())
 
-    @precondition(started)
-    @rule(channel=st.sampled_from(CHANNELS), data=st.data(), stale=st.booleans())
-    def ack(self, channel, data, stale):
-        ids = data.draw(st.lists(st.sampled_from(self.held(channel)), unique=True)) if self.held(channel) else []
+    @precondition(lambda self: started(self) and self.holding())
+    @rule(data=st.data(), stale=st.booleans())
+    def ack(self, data, stale):
+        channel = data.draw(st.sampled_from(self.holding()))
+        ids = data.draw(st.lists(st.sampled_from(self.held(channel)), unique=True))
         if stale:
             ids = ids + [i for i in self.held("ch1" if channel != "ch1" else "ch2")][:1] + [10_000]
         self.apply(self.q.ack(channel, ids))
 
-    @precondition(started)
-    @rule(channel=st.sampled_from(CHANNELS), data=st.data(), requeue=st.booleans())
-    def reject(self, channel, data, requeue):
-        ids = data.draw(st.permutations(self.held(channel)))[:data.draw(st.integers(0, 4))]
+    @precondition(lambda self: started(self) and self.holding())
+    @rule(data=st.data(), requeue=st.booleans())
+    def reject(self, data, requeue):
+        channel = data.draw(st.sampled_from(self.holding()))
+        ids = data.draw(st.permutations(self.held(channel)))[:data.draw(st.integers(1, 4))]
         actions = self.q.reject(channel, ids, self.t, requeue=requeue)
         if requeue:
             self.put_back(ids)
@@ -906,17 +920,22 @@ class QueueMachine(RuleBasedStateMachine):
         for i in ids:
             self.state[i] = "ready"
 
-    @precondition(started)
-    @rule(channel=st.sampled_from(CHANNELS))
-    def recover(self, channel):
+    @precondition(lambda self: started(self) and self.holding())
+    @rule(data=st.data(), rarely=st.integers(0, 2))
+    def recover(self, data, rarely):
+        if rarely:
+            return
+        channel = data.draw(st.sampled_from(self.holding()))
         held = self.held(channel)
         actions = self.q.recover(channel, self.t)
         self.put_back(held)
         self.apply(actions)
 
-    @precondition(started)
-    @rule(channel=st.sampled_from(CHANNELS))
-    def channel_closed(self, channel):
+    @precondition(lambda self: started(self) and (self.consumers or self.holding()))
+    @rule(channel=st.sampled_from(CHANNELS), rarely=st.integers(0, 3))
+    def channel_closed(self, channel, rarely):
+        if rarely:
+            return
         for key in [k for k, c in self.consumers.items() if c["channel"] == channel]:
             del self.consumers[key]
             if self.exclusive == key:
@@ -946,9 +965,11 @@ class QueueMachine(RuleBasedStateMachine):
         assert sorted(c.seq for c in confirms) == sorted(seqs)
         self.apply(confirms)
 
-    @precondition(started)
-    @rule()
-    def purge(self):
+    @precondition(lambda self: started(self) and self.ready())
+    @rule(rarely=st.integers(0, 5))
+    def purge(self, rarely):
+        if rarely:
+            return
         count, actions = self.q.purge(self.t)
         assert count == len(self.ready()) == len(actions) - sum(isinstance(a, Confirm) for a in actions)
         self.apply(actions)
@@ -984,10 +1005,11 @@ class QueueMachine(RuleBasedStateMachine):
             return
         self.apply(self.q.delete(self.t)[1])
         assert all(s[0] == "gone" for s in self.state.values())
-        for i, msg in self.msgs.items():
+        for msg in self.msgs.values():
             if msg.publisher is not None:
-                assert len(self.answers.get(("p", msg.seq), [])) == 1, f"publish {msg.seq}: {self.answers.get(('p', msg.seq))}"
+                answers = self.answers.get(("p", msg.seq), [])
+                assert len(answers) == 1, f"publish {msg.seq} answered {answers}"
 
 
-QueueMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+QueueMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 TestQueueMachine = QueueMachine.TestCase

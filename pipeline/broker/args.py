@@ -32,7 +32,8 @@ from __future__ import annotations
 import datetime
 import decimal
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from pipeline.amqp.errors import INTERNAL_ERROR, PRECONDITION_FAILED, RESOURCE_LOCKED
 
@@ -307,7 +308,9 @@ def parse_queue_args(queue: str, arguments: Mapping | None) -> QueueArgs:
                                   f"of queue type rabbit_classic_queue")
     if _plain(args.get("x-single-active-consumer", False)):
         raise _invalid("x-single-active-consumer", queue, _quoted("single active consumer is not supported here"))
-    get = lambda key: _plain(args[key]) if key in args else None  # noqa: E731
+    def get(key):
+        return _plain(args[key]) if key in args else None
+
     return QueueArgs(
         message_ttl_ms=get("x-message-ttl"), expires_ms=get("x-expires"), max_length=get("x-max-length"),
         max_length_bytes=get("x-max-length-bytes"), overflow=_text(args.get("x-overflow", "drop-head")),

@@ -9,11 +9,11 @@ touches a ring, a file or a clock; time comes in as monotonic nanoseconds::
                   │ Nack                  │ no
                   ▼                       ▼
                Forget /             ready (per priority: requeued heap + fresh deque)
-               DeadLetter             │ head expired / over max-length ──▶ DeadLetter or Forget
+               DeadLetter             │ head expired / over max-length ──▶ DeadLetter / Forget
                                       ▼
                            deliver(room) / get ──▶ unacked (per channel) ──ack──▶ Forget
-                                      ▲                    │ reject/nack requeue, recover,
-                                      └────────────────────┘ channel closed: back by id
+                                      ▲                    │ requeue, recover, channel
+                                      └────────────────────┘ closed: back by id
 
 *Ready messages* are kept in id order within each priority level, as
 rabbit_variable_queue keeps them by sequence id: a message put back (reject
@@ -97,7 +97,8 @@ import datetime
 import heapq
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Hashable, Iterable
+from collections.abc import Hashable, Iterable
+from typing import Any
 
 from pipeline.amqp.errors import ACCESS_REFUSED, INTERNAL_ERROR
 from pipeline.broker.args import PreconditionFailed, QueueArgs, QueueError, resource
@@ -232,7 +233,7 @@ class DeadLetter:
     def routing_keys(self) -> tuple:
         return (self.routing_key,) if self.routing_key is not None else tuple(self.message.routing_keys)
 
-    def death(self, time_s: int, original_expiration: str | None = None) -> "Death":
+    def death(self, time_s: int, original_expiration: str | None = None) -> Death:
         """The ``x-death`` entry this dead-lettering adds, at wall-clock ``time_s``."""
         return Death(self.queue, self.reason, self.message.exchange, tuple(self.message.routing_keys), time_s,
                      original_expiration)
@@ -360,7 +361,7 @@ class Backlog:
         msg.expires_ns = None if ttl is None else now_ns + ttl * NS_PER_MS
         if self._max_level:
             p = msg.priority or 0
-            msg.level = p if p < self._max_level else self._max_level
+            msg.level = min(p, self._max_level)
         if self._refuse_over and ((self._max_len is not None and self._ready >= self._max_len) or
                                   (self._max_bytes is not None and self._ready_bytes + msg.size > self._max_bytes)):
             return self._refuse(msg, now_ns)
@@ -872,7 +873,7 @@ def record_death(headers: dict | None, death: Death, *, drop_cc: bool = False) -
     timestamp); ``count`` is an int that RabbitMQ sends as a ``long``.
     """
     info = {"reason": death.reason, "queue": death.queue,
-            "time": datetime.datetime.fromtimestamp(death.time_s, datetime.timezone.utc),
+            "time": datetime.datetime.fromtimestamp(death.time_s, datetime.UTC),
             "exchange": death.exchange, "routing-keys": list(death.routing_keys)}
     if death.original_expiration is not None:
         info["original-expiration"] = death.original_expiration
