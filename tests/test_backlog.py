@@ -109,15 +109,14 @@ def test_consumers_take_turns():
     assert out == ["c1", "c2", "c3", "c1", "c2", "c3", "c1"]
 
 
-def test_a_higher_priority_consumer_is_served_first_and_lower_ones_only_when_it_is_full():
+def test_a_higher_priority_consumer_is_served_first_and_lower_ones_only_when_it_is_full_as_rabbitmq():
     clock = Clock()
-    q2 = queue(clock)
-    for i in range(6):
-        q2.publish(m(str(i)), clock())
-    q2.consume("low", "ch1", clock(), priority=0)
-    q2.consume("high-a", "ch2", clock(), priority=10, prefetch=2)
-    q2.consume("high-b", "ch2", clock(), priority=10, prefetch=1)
-    assert [a.consumer for a in q2.deliver(clock())] == ["high-a", "high-b", "high-a", "low", "low", "low"]
+    q = queue(clock)
+    q.consume("low", "ch1", clock(), priority=0)
+    q.consume("high-a", "ch2", clock(), priority=10, prefetch=2)
+    q.consume("high-b", "ch3", clock(), priority=10, prefetch=1)
+    got = [q.publish(m(str(i)), clock())[0].consumer for i in range(6)]
+    assert got == ["high-a", "high-b", "high-a", "low", "low", "low"]
 
 
 def test_prefetch_holds_a_consumer_at_its_limit_until_it_acks():
@@ -133,21 +132,34 @@ def test_prefetch_holds_a_consumer_at_its_limit_until_it_acks():
     assert bodies(q.deliver(clock())) == ["2"]
 
 
-def test_a_global_prefetch_is_shared_by_the_channels_consumers_and_holds_its_no_ack_ones_too():
+def test_a_global_prefetch_is_shared_by_the_channels_consumers_and_holds_its_no_ack_ones_too_as_rabbitmq():
     clock = Clock()
     q = queue(clock)
-    q.set_channel_prefetch("ch", 3)
-    q.consume("a", "ch", clock())
-    q.consume("b", "ch", clock())
     for i in range(6):
         q.publish(m(str(i)), clock())
+    q.set_channel_prefetch("ch", 3)
+    q.consume("a", "ch", clock())
+    assert [(d.consumer, d.message.payload) for d in q.deliver(clock())] == [("a", "0"), ("a", "1"), ("a", "2")]
+    q.consume("b", "ch", clock())
+    assert q.deliver(clock()) == []
     q.consume("auto", "ch", clock(), no_ack=True)
-    out = q.deliver(clock())
-    assert [a.consumer for a in out] == [] and q.statistics().messages_unacknowledged == 3
+    assert q.deliver(clock()) == []                 # RabbitMQ's limiter holds a no-ack consumer too
+    q.set_channel_prefetch("ch", 0)                 # basic.qos global=false clears the channel's limit
+    assert [(d.consumer, d.message.payload) for d in q.deliver(clock())] == [("a", "3"), ("b", "4"),
+                                                                            ("auto", "5")]
+
+
+def test_acking_below_a_global_prefetch_lets_the_next_consumer_in_turn_take_one():
+    clock = Clock()
+    q = queue(clock)
+    q.set_channel_prefetch("ch", 2)
+    q.consume("a", "ch", clock())
+    q.consume("b", "ch", clock())
+    for i in range(4):
+        q.publish(m(str(i)), clock())
+    assert q.statistics().messages_unacknowledged == 2
     q.ack("ch", [1])
-    assert [a.consumer for a in q.deliver(clock())] == ["b"]      # a and auto step aside until room returns
-    q.set_channel_prefetch("ch", 0)
-    assert len(q.deliver(clock())) == 2
+    assert [d.consumer for d in q.deliver(clock())] == ["a"]
 
 
 def test_room_on_the_transport_bounds_each_delivery_round():
