@@ -629,7 +629,7 @@ class Backlog:
         while self._ready:
             due = self._head().expires_ns
             if due is not None and now_ns >= due:
-                self._expire_heads(now_ns, actions)
+                self._dead_letter(self._pop_head(), EXPIRED, now_ns, actions)
                 continue
             c = self._pick(room)
             if c is None:
@@ -832,6 +832,23 @@ class Backlog:
         """Whether ``channel`` holds message ``msg_id`` unacked (for the channel's own bookkeeping)."""
         ch = self._channels.get(channel)
         return ch is not None and msg_id in ch.held
+
+    @property
+    def next_id(self) -> int:
+        """The id the next publish will get (the shell journals a persistent message under it first)."""
+        return self._next_id
+
+    def ready_newest_first(self):
+        """Ready messages, the last to be delivered first (the shell pages their payloads out)."""
+        for level in self._levels:
+            yield from reversed(level.fresh)
+            yield from (msg for _, msg in sorted(level.requeued, reverse=True))
+
+    def unacked_messages(self):
+        """Messages delivered and not yet settled."""
+        for ch in self._channels.values():
+            for msg, _ in ch.held.values():
+                yield msg
 
     def statistics(self) -> BacklogStatistics:
         return BacklogStatistics(
