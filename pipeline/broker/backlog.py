@@ -81,9 +81,10 @@ seen for that long (``next_deadline_ns`` covers it, ``expire`` reports it).
 Dead-lettering names the DLX and routing keys; ``record_death`` writes the
 ``x-death`` headers and ``dead_letter_cycles`` drops RabbitMQ's automatic
 cycles, both exactly as RabbitMQ 3.10 does. Behaviour was checked against a
-real 3.10.8 node: requeue order, priorities under max-length, TTL 0 with and
-without consumers, reject-publish with a waiting consumer, ``x-death``
-shapes, cycles and every reply text.
+real 3.10.8 node: requeue order, consumer priorities, the channel-wide
+prefetch, priorities under max-length, TTL 0 with and without consumers,
+reject-publish with a waiting consumer, ``x-death`` shapes, cycles and every
+reply text.
 
 Deliberate differences: the channel limit counts this queue's deliveries
 only (RabbitMQ's limiter spans every queue the channel consumes from; the
