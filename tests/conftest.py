@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from amqp_targets import amqp, amqp_tls, rabbitmq_target, shared_broker  # noqa: F401  (the client tests' brokers)
+
 ROOT = Path(__file__).resolve().parent.parent
 CREDITFLOW = [sys.executable, "-c", "import sys; from pipeline.cli import main; sys.exit(main())"]
 _started: list[subprocess.Popen] = []

@@ -1,0 +1,451 @@
+"""pika's BlockingConnection against the broker: AMQP 0-9-1 as RabbitMQ 3.10 serves it.
+
+Each test is what an application written for RabbitMQ does, unmodified, and
+checks what its author would check: bodies, counts, order, headers, and the
+reply code and reply text of every refusal, exactly as RabbitMQ 3.10.8 sends
+them. The same tests run against RabbitMQ itself: ``CREDITFLOW_TEST_RABBITMQ=start
+pytest tests/test_client_*.py`` (see ``tests/amqp_targets.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pika
+import pytest
+from pika.exceptions import ChannelClosedByBroker, NackError
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(60)]
+
+MAX_MESSAGE_BYTES = 128 * 1024 * 1024      # RabbitMQ's default max_message_size
+
+
+def connect(target, **kw) -> pika.BlockingConnection:
+    return pika.BlockingConnection(target.pika_params(**kw))
+
+
+def refusal(call, *args, **kw) -> tuple[int, str]:
+    """The (reply code, reply text) of the channel.close that ``call`` ends in."""
+    with pytest.raises(ChannelClosedByBroker) as exc:
+        call(*args, **kw)
+    return exc.value.reply_code, exc.value.reply_text
+
+
+def get_all(ch, queue: str, expect: int, timeout_s: float = 3.0) -> list[tuple]:
+    """basic.get with auto-ack until ``expect`` messages came (or the time is up): [(props, body)]."""
+    got = []
+    deadline = time.monotonic() + timeout_s
+    while len(got) < expect and time.monotonic() < deadline:
+        method, props, body = ch.basic_get(queue, auto_ack=True)
+        if method is None:
+            time.sleep(0.02)
+        else:
+            got.append((props, body))
+    return got
+
+
+def get_one(ch, queue: str, auto_ack: bool = False, timeout_s: float = 3.0) -> tuple:
+    """basic.get until a message comes: (method, props, body); fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        method, props, body = ch.basic_get(queue, auto_ack=auto_ack)
+        if method is not None:
+            return method, props, body
+        time.sleep(0.02)
+    pytest.fail(f"no message in {queue} after {timeout_s} s")
+
+
+def bodies(ch, queue: str, expect: int, timeout_s: float = 3.0) -> list[bytes]:
+    return [body for _props, body in get_all(ch, queue, expect, timeout_s)]
+
+
+def depth(ch, queue: str) -> int:
+    return ch.queue_declare(queue, passive=True).method.message_count
+
+
+def without_time(deaths: list[dict]) -> list[dict]:
+    for death in deaths:
+        assert isinstance(death.pop("time"), datetime.datetime)
+    return deaths
+
+
+# -- queues: delete, purge, reserved names, redeclare ----------------------------------------------
+def test_queue_delete_and_purge_honour_if_unused_and_if_empty(amqp):
+    q = amqp.name("work")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        for i in range(3):
+            ch.basic_publish("", q, b"m%d" % i)
+        assert refusal(ch.queue_delete, q, if_empty=True) == (
+            406, f"PRECONDITION_FAILED - queue '{q}' in vhost '/' not empty")
+        ch = conn.channel()
+        assert ch.queue_purge(q).method.message_count == 3
+        ch.basic_publish("", q, b"after purge")
+        tag = ch.basic_consume(q, lambda *a: None)
+        other = conn.channel()
+        assert refusal(other.queue_delete, q, if_unused=True) == (
+            406, f"PRECONDITION_FAILED - queue '{q}' in vhost '/' in use")
+        ch.basic_cancel(tag)
+        ch.close()
+        ch = conn.channel()
+        assert ch.queue_delete(q, if_unused=True).method.message_count == 1
+        assert refusal(ch.queue_declare, q, passive=True) == (404, f"NOT_FOUND - no queue '{q}' in vhost '/'")
+
+
+def test_queue_names_starting_with_amq_are_reserved(amqp):
+    with connect(amqp) as conn:
+        assert refusal(conn.channel().queue_declare, "amq.mine") == (
+            403, "ACCESS_REFUSED - queue name 'amq.mine' contains reserved prefix 'amq.*'")
+        assert refusal(conn.channel().exchange_declare, "amq.mine", "direct") == (
+            403, "ACCESS_REFUSED - exchange name 'amq.mine' contains reserved prefix 'amq.*'")
+        server_named = conn.channel().queue_declare("", exclusive=True).method.queue
+        assert server_named.startswith("amq.gen-")
+
+
+def test_redeclaring_a_queue_with_other_arguments_is_refused(amqp):
+    q = amqp.name("limited")
+    with connect(amqp) as conn:
+        conn.channel().queue_declare(q, arguments={"x-max-length": 10})
+        assert refusal(conn.channel().queue_declare, q, arguments={"x-max-length": 20}) == (
+            406, f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
+                 "received '20' but current is '10'")
+        assert refusal(conn.channel().queue_declare, q, durable=True, arguments={"x-max-length": 10}) == (
+            406, f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue '{q}' in vhost '/': "
+                 "received 'true' but current is 'false'")
+        assert refusal(conn.channel().queue_declare, q) == (
+            406, f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
+                 "received none but current is the value '10' of type 'signedint'")
+        ch = conn.channel()
+        assert ch.queue_declare(q, arguments={"x-max-length": 10}).method.queue == q
+
+
+# -- exclusive queues and consumers ------------------------------------------------------------------
+def test_an_exclusive_queue_is_locked_to_its_connection_and_goes_with_it(amqp):
+    q = amqp.name("mine")
+    owner = connect(amqp)
+    owner.channel().queue_declare(q, exclusive=True)
+    locked = (405, f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{q}' in vhost '/'. "
+                   "It could be originally declared on another connection or the exclusive property value "
+                   "does not match that of the original declaration.")
+    with connect(amqp) as other:
+        assert refusal(other.channel().queue_declare, q, passive=True) == locked
+        assert refusal(other.channel().basic_consume, q, lambda *a: None) == locked
+        assert refusal(other.channel().queue_delete, q) == locked
+        assert refusal(other.channel().queue_purge, q) == locked
+        owner.close()
+        assert refusal(other.channel().queue_declare, q, passive=True) == (
+            404, f"NOT_FOUND - no queue '{q}' in vhost '/'")
+
+
+def test_an_exclusive_consumer_keeps_every_other_consumer_out(amqp):
+    q = amqp.name("single")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        ch.basic_consume(q, lambda *a: None, exclusive=True)
+        assert refusal(conn.channel().basic_consume, q, lambda *a: None) == (
+            403, f"ACCESS_REFUSED - queue '{q}' in vhost '/' in exclusive use")
+        assert refusal(ch.basic_consume, q, lambda *a: None) == (     # not even on its own channel
+            403, f"ACCESS_REFUSED - queue '{q}' in vhost '/' in exclusive use")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.basic_consume(q, lambda *a: None)
+        assert refusal(conn.channel().basic_consume, q, lambda *a: None, exclusive=True) == (
+            403, f"ACCESS_REFUSED - queue '{q}' in vhost '/' in exclusive use")
+
+
+# -- exchanges: delete, headers, internal ------------------------------------------------------------
+def test_exchange_delete_honours_if_unused_and_publishing_to_a_deleted_exchange_is_404(amqp):
+    x, q = amqp.name("events"), amqp.name("events-q")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.exchange_declare(x, "fanout")
+        ch.queue_declare(q)
+        ch.queue_bind(q, x)
+        assert refusal(ch.exchange_delete, x, if_unused=True) == (
+            406, f"PRECONDITION_FAILED - exchange '{x}' in vhost '/' in use")
+        ch = conn.channel()
+        ch.exchange_delete(x)
+        assert refusal(ch.exchange_declare, x, passive=True) == (404, f"NOT_FOUND - no exchange '{x}' in vhost '/'")
+        ch = conn.channel()
+        ch.exchange_delete(x)                         # deleting what is not there is fine
+        ch.basic_publish(x, "", b"lost")
+        assert refusal(ch.queue_declare, q, passive=True) == (404, f"NOT_FOUND - no exchange '{x}' in vhost '/'")
+        assert refusal(conn.channel().exchange_delete, "amq.direct") == (
+            403, "ACCESS_REFUSED - deletion of system exchange 'amq.direct' in vhost '/' not allowed")
+
+
+def test_headers_exchange_matches_all_or_any_of_the_bound_headers(amqp):
+    x, q_all, q_any = amqp.name("hdr"), amqp.name("hdr-all"), amqp.name("hdr-any")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.exchange_declare(x, "headers")
+        ch.queue_declare(q_all)
+        ch.queue_declare(q_any)
+        ch.queue_bind(q_all, x, arguments={"x-match": "all", "format": "pdf", "type": "report"})
+        ch.queue_bind(q_any, x, arguments={"x-match": "any", "format": "pdf", "type": "log"})
+        ch.confirm_delivery()
+        for name, headers in [("both", {"format": "pdf", "type": "report"}), ("pdf", {"format": "pdf"}),
+                              ("log", {"type": "log"}), ("none", {"format": "zip"}), ("bare", None)]:
+            ch.basic_publish(x, "ignored", name.encode(), pika.BasicProperties(headers=headers))
+        assert bodies(ch, q_all, 1) == [b"both"]
+        assert bodies(ch, q_any, 3) == [b"both", b"pdf", b"log"]
+        assert depth(ch, q_all) == depth(ch, q_any) == 0
+
+
+def test_an_internal_exchange_takes_messages_only_from_exchanges_bound_to_it(amqp):
+    inner, front, q = amqp.name("inner"), amqp.name("front"), amqp.name("inner-q")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.exchange_declare(inner, "direct", internal=True)
+        ch.exchange_declare(front, "topic")
+        ch.exchange_bind(inner, front, "orders.#")
+        ch.queue_declare(q)
+        ch.queue_bind(q, inner, "orders.eu")
+        ch.basic_publish(front, "orders.eu", b"via front")
+        ch.basic_publish(front, "orders.us", b"bound but not routed on")
+        assert bodies(ch, q, 1) == [b"via front"]
+        ch.basic_publish(inner, "orders.eu", b"direct")
+        with pytest.raises(ChannelClosedByBroker) as exc:
+            ch.queue_declare(q, passive=True)
+        assert (exc.value.reply_code, exc.value.reply_text) == (
+            403, f"ACCESS_REFUSED - cannot publish to internal exchange '{inner}' in vhost '/'")
+        ch = conn.channel()
+        ch.exchange_unbind(inner, front, "orders.#")
+        ch.basic_publish(front, "orders.eu", b"unbound")
+        assert depth(ch, q) == 0
+
+
+# -- transactions ----------------------------------------------------------------------------------
+def test_transactions_publish_and_ack_only_on_commit(amqp):
+    q = amqp.name("tx")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        assert refusal(ch.tx_commit) == (406, "PRECONDITION_FAILED - channel is not transactional")
+        ch = conn.channel()
+        ch.tx_select()
+        ch.basic_publish("", q, b"rolled back")
+        ch.tx_rollback()
+        ch.basic_publish("", q, b"one")
+        ch.basic_publish("", q, b"two")
+        assert depth(ch, q) == 0
+        ch.tx_commit()
+        assert depth(ch, q) == 2
+        method, _, body = ch.basic_get(q)
+        assert body == b"one"
+        ch.basic_ack(method.delivery_tag)
+        ch.tx_rollback()                               # the ack is undone: "one" stays unacked
+        ch.close()                                     # and comes back when the channel goes
+        reader = conn.channel()
+        assert bodies(reader, q, 2) == [b"one", b"two"]
+        tx = conn.channel()
+        tx.tx_select()
+        assert refusal(tx.confirm_delivery) == (406, "PRECONDITION_FAILED - cannot switch from tx to confirm mode")
+
+
+# -- TTL, dead-lettering and x-death --------------------------------------------------------------
+def test_queue_ttl_dead_letters_expired_messages_with_x_death(amqp):
+    q, dlq = amqp.name("short-lived"), amqp.name("expired")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(dlq)
+        ch.queue_declare(q, arguments={"x-message-ttl": 100, "x-dead-letter-exchange": "",
+                                       "x-dead-letter-routing-key": dlq})
+        ch.basic_publish("", q, b"late", pika.BasicProperties(headers={"app": "billing"}))
+        [(props, body)] = get_all(ch, dlq, 1)
+        assert body == b"late" and depth(ch, q) == 0
+        headers = props.headers
+        assert without_time(headers.pop("x-death")) == [
+            {"count": 1, "reason": "expired", "queue": q, "exchange": "", "routing-keys": [q]}]
+        assert headers == {"app": "billing", "x-first-death-exchange": "", "x-first-death-queue": q,
+                           "x-first-death-reason": "expired"}
+
+
+def test_per_message_ttl_dead_letters_with_the_original_expiration(amqp):
+    q, dlx, dlq = amqp.name("orders"), amqp.name("dlx"), amqp.name("orders-dead")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.exchange_declare(dlx, "fanout")
+        ch.queue_declare(dlq)
+        ch.queue_bind(dlq, dlx)
+        ch.queue_declare(q, arguments={"x-dead-letter-exchange": dlx})
+        ch.basic_publish("", q, b"keep")
+        ch.basic_publish("", q, b"stale", pika.BasicProperties(expiration="50"))
+        # an expired message behind a live one waits for the head, as in RabbitMQ
+        time.sleep(0.2)
+        assert bodies(ch, q, 1) == [b"keep"]
+        [(props, body)] = get_all(ch, dlq, 1)
+        assert body == b"stale" and props.expiration is None
+        assert without_time(props.headers["x-death"]) == [
+            {"count": 1, "reason": "expired", "queue": q, "exchange": "", "routing-keys": [q],
+             "original-expiration": "50"}]
+        ch.basic_publish("", q, b"zero", pika.BasicProperties(expiration="0"))
+        assert bodies(ch, dlq, 1) == [b"zero"]
+        ch.basic_publish("", q, b"x", pika.BasicProperties(expiration="soon"))
+        assert refusal(ch.queue_declare, q, passive=True) == (
+            406, "PRECONDITION_FAILED - invalid expiration 'soon': no_integer")
+
+
+def test_rejected_and_nacked_messages_are_dead_lettered_and_counted(amqp):
+    q, dlq = amqp.name("jobs"), amqp.name("jobs-dead")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(dlq, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": q})
+        ch.queue_declare(q, arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+        ch.basic_publish("", q, b"job")
+        method, _, _ = ch.basic_get(q)
+        ch.basic_reject(method.delivery_tag, requeue=False)
+        method, props, _ = get_one(ch, dlq)
+        assert [(d["reason"], d["queue"], d["count"]) for d in props.headers["x-death"]] == [("rejected", q, 1)]
+        ch.basic_nack(method.delivery_tag, requeue=False)         # dead-lettered back to q
+        method, props, body = get_one(ch, q)
+        assert body == b"job"
+        assert [(d["reason"], d["queue"], d["count"]) for d in props.headers["x-death"]] == [
+            ("rejected", dlq, 1), ("rejected", q, 1)]
+        ch.basic_nack(method.delivery_tag, requeue=False)
+        _, props, _ = get_one(ch, dlq, auto_ack=True)
+        assert [(d["reason"], d["queue"], d["count"]) for d in props.headers["x-death"]] == [
+            ("rejected", q, 2), ("rejected", dlq, 1)]
+        assert props.headers["x-first-death-queue"] == q
+
+
+# -- length limits ----------------------------------------------------------------------------------
+def test_max_length_drops_the_oldest_and_dead_letters_it(amqp):
+    q, dlq, qb = amqp.name("recent"), amqp.name("dropped"), amqp.name("recent-bytes")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(dlq)
+        ch.queue_declare(q, arguments={"x-max-length": 2, "x-dead-letter-exchange": "",
+                                       "x-dead-letter-routing-key": dlq})
+        ch.queue_declare(qb, arguments={"x-max-length-bytes": 10, "x-overflow": "drop-head"})
+        ch.confirm_delivery()
+        for i in range(1, 5):
+            ch.basic_publish("", q, b"m%d" % i)
+            ch.basic_publish("", qb, b"b%03d" % i)                  # 4 bytes each: two fit in 10
+        assert bodies(ch, q, 2) == [b"m3", b"m4"]
+        assert bodies(ch, qb, 2) == [b"b003", b"b004"]
+        dropped = get_all(ch, dlq, 2)
+        assert [body for _, body in dropped] == [b"m1", b"m2"]
+        assert [d["reason"] for _, d in ((p, p.headers["x-death"][0]) for p, _ in dropped)] == ["maxlen"] * 2
+
+
+def test_reject_publish_overflow_nacks_the_publisher(amqp):
+    q = amqp.name("full")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q, arguments={"x-max-length": 2, "x-overflow": "reject-publish"})
+        ch.confirm_delivery()
+        ch.basic_publish("", q, b"1")
+        ch.basic_publish("", q, b"2")
+        with pytest.raises(NackError):
+            ch.basic_publish("", q, b"3")
+        assert bodies(ch, q, 2) == [b"1", b"2"]
+        ch.basic_publish("", q, b"4")                   # room again
+        assert bodies(ch, q, 1) == [b"4"]
+
+
+def test_reject_publish_dlx_nacks_and_dead_letters(amqp):
+    q, dlq = amqp.name("full-dlx"), amqp.name("full-dead")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(dlq)
+        ch.queue_declare(q, arguments={"x-max-length": 1, "x-overflow": "reject-publish-dlx",
+                                       "x-dead-letter-exchange": "", "x-dead-letter-routing-key": dlq})
+        ch.confirm_delivery()
+        ch.basic_publish("", q, b"in")
+        with pytest.raises(NackError):
+            ch.basic_publish("", q, b"over")
+        assert bodies(ch, q, 1) == [b"in"]
+        [(props, body)] = get_all(ch, dlq, 1)
+        assert body == b"over"
+        assert without_time(props.headers["x-death"]) == [
+            {"count": 1, "reason": "maxlen", "queue": q, "exchange": "", "routing-keys": [q]}]
+
+
+# -- priorities, requeue order, recover ------------------------------------------------------------
+def test_max_priority_delivers_higher_priorities_first(amqp):
+    q = amqp.name("prio")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q, arguments={"x-max-priority": 5})
+        ch.confirm_delivery()
+        for body, priority in [(b"low", 1), (b"none", None), (b"high", 5), (b"mid", 3), (b"over", 9),
+                               (b"low2", 1)]:
+            ch.basic_publish("", q, body, pika.BasicProperties(priority=priority))
+        # priorities above the maximum count as the maximum
+        assert bodies(ch, q, 6) == [b"high", b"over", b"mid", b"low", b"low2", b"none"]
+
+
+def test_requeued_messages_come_back_in_their_original_order(amqp):
+    q = amqp.name("ordered")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        for i in range(6):
+            ch.basic_publish("", q, b"%d" % i)
+        tags = [ch.basic_get(q)[0].delivery_tag for _ in range(4)]       # 0..3 unacked, 4, 5 ready
+        ch.basic_nack(tags[2], requeue=True)                              # 2
+        ch.basic_reject(tags[0], requeue=True)                            # 0
+        ch.basic_nack(tags[3], multiple=True, requeue=True)               # 1 and 3
+        got = [ch.basic_get(q, auto_ack=True) for _ in range(6)]
+        assert [body for _, _, body in got] == [b"0", b"1", b"2", b"3", b"4", b"5"]
+        assert [m.redelivered for m, _, _ in got] == [True] * 4 + [False] * 2
+
+
+def test_basic_recover_redelivers_what_was_not_acked(amqp):
+    q = amqp.name("recover")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        for i in range(3):
+            ch.basic_publish("", q, b"%d" % i)
+        seen = []
+        ch.basic_consume(q, lambda c, m, p, b: seen.append((b, m.redelivered)))
+        deadline = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < deadline:
+            conn.process_data_events(0.05)
+        ch.basic_recover(requeue=True)
+        while len(seen) < 6 and time.monotonic() < deadline:
+            conn.process_data_events(0.05)
+        assert seen == [(b"0", False), (b"1", False), (b"2", False), (b"0", True), (b"1", True), (b"2", True)]
+
+
+# -- direct reply-to, update-secret, message size ----------------------------------------------------
+def test_replying_to_amq_rabbitmq_reply_to_needs_a_consumer_on_it(amqp):
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.basic_publish("", "anything", b"ask", pika.BasicProperties(reply_to="amq.rabbitmq.reply-to"))
+        with pytest.raises(ChannelClosedByBroker) as exc:
+            ch.queue_declare("", exclusive=True)
+        assert (exc.value.reply_code, exc.value.reply_text) == (
+            406, "PRECONDITION_FAILED - fast reply consumer does not exist")
+
+
+def test_update_secret_is_accepted_on_an_open_connection(amqp):
+    q = amqp.name("rotated")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        conn.update_secret("guest", "credentials rotated")
+        ch.basic_publish("", q, b"after rotation")
+        assert bodies(ch, q, 1) == [b"after rotation"]
+
+
+def test_bodies_up_to_rabbitmqs_default_max_size_pass_and_bigger_ones_are_refused(amqp):
+    q = amqp.name("big")
+    body = bytes(range(256)) * (16 * 1024 * 1024 // 256)      # 16 MiB
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        ch.confirm_delivery()
+        ch.basic_publish("", q, body)
+        assert bodies(ch, q, 1, timeout_s=20) == [body]
+        too_big = bytearray(MAX_MESSAGE_BYTES + 1)
+        with pytest.raises(ChannelClosedByBroker) as exc:
+            ch.basic_publish("", q, bytes(too_big))
+        assert (exc.value.reply_code, exc.value.reply_text) == (
+            406, f"PRECONDITION_FAILED - message size {MAX_MESSAGE_BYTES + 1} is larger than configured "
+                 f"max size {MAX_MESSAGE_BYTES}")
