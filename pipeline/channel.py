@@ -1,23 +1,27 @@
-"""The channel: one process per AMQP channel.
+"""The channel: one process per AMQP channel, a shell over two pure cores.
 
 It takes its reader's records off a ring, acks each publish's credit as soon
-as it dequeues it (before routing, as RabbitMQ's channel does), routes it and
-sends it to every target queue, spending one credit per queue. While a queue
-holds it blocked it still routes (its credit goes negative) but defers the
-reader's grants, which is how back-pressure climbs to the socket.
+as it dequeues it (before routing, as RabbitMQ's channel does), routes it
+with its copy of the broker's routing table (``pipeline.broker.routing``,
+kept current by the supervisor) and sends it to every target queue,
+spending one credit per queue. While a queue holds it blocked it still
+routes (its credit goes negative) but defers the reader's grants, which is
+how back-pressure climbs to the socket. Publisher confirms and transactions
+are ``pipeline.broker.confirms``: the channel feeds it what was routed where
+and what each queue confirmed, nacked or did when it ended, and writes the
+frames it returns.
 
-It also runs the channel's other methods (queue.declare, basic.qos/consume/
-cancel/get, confirm.select), turns queues' confirms into ``basic.ack`` frames
-for the publisher, and passes consumers' acks on to the queues.
+The channel's other methods go where RabbitMQ decides them: exchanges,
+bindings, queue declares and deletes to the supervisor (which owns the
+definitions); consume, cancel, get, purge, recover, qos to the queue.
 
 One client record at a time, as RabbitMQ's channel handles its frames: a
-method answered by the broker or a queue (declare, bind, consume, get...),
-or a record that needs a link to a queue first, is finished before the next
-record is looked at. Those answers arrive asynchronously here, so while one
-is awaited (``waiting``) the records after it wait in ``held``, unhandled
-and their credit not yet acked, and the reader's ring is left unread; the
-answer resumes them in order. Pipelined methods are therefore answered in
-the order they were sent.
+method answered by the broker or a queue, or a record that needs a link to a
+queue first, is finished before the next record is looked at. Those answers
+arrive asynchronously here, so while one is awaited (``waiting``) the
+records after it wait in ``held``, unhandled and their credit not yet acked,
+and the reader's ring is left unread; the answer resumes them in order.
+Pipelined methods are therefore answered in the order they were sent.
 """
 
 from __future__ import annotations
@@ -31,11 +35,19 @@ from pamqp import commands
 from ipc import control
 from pipeline import wire
 from pipeline.amqp import frames
+from pipeline.amqp.errors import AmqpError
+from pipeline.broker import props
+from pipeline.broker.args import QueueError, consumer_priority
+from pipeline.broker.confirms import ACK, COMMIT_OK, NACK, Confirms
+from pipeline.broker.definitions import arguments_to_json
+from pipeline.broker.routing import RoutingTable
 from pipeline.stage import Stage, read_batch_for
 
-CHANNEL_FLOW = (20, 20)
 # AMQP 0-9-1's hard errors: the connection is closed, not just the channel
 HARD_ERROR_CODES = frozenset((320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541))
+QUEUE_DECLARE, QUEUE_BIND, QUEUE_PURGE, QUEUE_DELETE, QUEUE_UNBIND = (50, 10), (50, 20), (50, 30), (50, 40), (50, 50)
+EXCHANGE_DECLARE, EXCHANGE_DELETE, EXCHANGE_BIND, EXCHANGE_UNBIND = (40, 10), (40, 20), (40, 30), (40, 40)
+BASIC_CONSUME, BASIC_CANCEL, BASIC_GET = (60, 20), (60, 30), (60, 70)
 
 
 class ChannelError(Exception):
@@ -46,14 +58,19 @@ class ChannelError(Exception):
         self.code, self.text, self.class_id, self.method_id = code, text, class_id, method_id
 
 
-class QueueLinks:
-    """The two links to one queue process, and the publishes it has not yet confirmed to this channel."""
+def from_amqp(exc, class_id: int = 0, method_id: int = 0) -> ChannelError:
+    """A core's refusal (``AmqpError`` or ``QueueError``) as the channel error it closes with."""
+    return ChannelError(exc.reply_code, exc.reply_text, getattr(exc, "class_id", 0) or class_id,
+                        getattr(exc, "method_id", 0) or method_id)
 
-    __slots__ = ("name", "out", "inp", "unconfirmed")
+
+class QueueLinks:
+    """The two links to one queue process."""
+
+    __slots__ = ("name", "out", "inp")
 
     def __init__(self, name: bytes, out, inp):
         self.name, self.out, self.inp = name, out, inp
-        self.unconfirmed: set[int] = set()
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -76,27 +93,22 @@ class Channel(Stage):
         self.frame_max = frame_max
         self.from_reader = None
         self.to_reader = None
+        self.routing = RoutingTable()
         self.queues: dict[bytes, QueueLinks] = {}
         self.by_in_link: dict[int, QueueLinks] = {}
-        self.missing: dict[bytes, tuple[int, str]] = {}   # known not to exist (until a queue_created): why
+        self.missing: dict[bytes, tuple[int, str]] = {}   # known not to exist (until a routing change): why
         self.waiting: tuple | None = None         # ("link"|"queue", name) or ("broker",): the answer awaited
         self.then = None                          # what to do with it (an op for ``replay``, or an answer)
         self.held: collections.deque = collections.deque()   # client records after the one that waits
-        self.confirm = False
-        self.pending: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self.last_multiple_ack = 0
-        self.nacked: set[int] = set()             # nacked above last_multiple_ack: no multiple ack may span them
-        self.max_seq = 0
-        self.prefetch = 0
+        self.confirms = Confirms()
+        self.prefetch = 0                         # basic.qos for consumers made from now on
+        self.channel_prefetch = 0                 # basic.qos global=true
         self.consumers: dict[str, bytes] = {}     # consumer tag -> queue
         self.routed = 0
         self.unroutable = 0
-        self.confirms_sent = 0
-        self.nacks_sent = 0
+        self.returned = 0
         self.out_frames: list[bytes] = []
         self.closing = False
-        self.exchanges: dict[bytes, tuple[str, list]] = {}   # name -> (type, [(queue, key)]), from the supervisor
-        self.routes: dict[tuple[bytes, bytes], list[bytes]] = {}
 
     # -- wiring ------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -122,15 +134,16 @@ class Channel(Stage):
             self.missing[name] = (msg.get("code", 404),
                                   msg.get("text") or f"NOT_FOUND - no queue '{shown(name)}' in vhost '/'")
             self.answered(("link", name), None)
-        elif kind == "queue_created":
-            self.missing.pop(name, None)
-        elif kind == "exchanges":
-            for ex, info in msg["table"].items():
-                self.exchanges[ex.encode()] = (info["type"], [(q.encode(), k.encode()) for q, k in info["bindings"]])
-            self.routes.clear()
+        elif kind == "declare_refused":
+            self.answered(("link", name), ChannelError(msg["code"], msg["text"], *QUEUE_DECLARE))
+        elif kind == "routing":
+            if "snapshot" in msg:
+                self.routing = RoutingTable.from_snapshot(msg["snapshot"])
+            else:
+                self.routing.apply(msg["changes"])
+            self.missing.clear()                  # a queue may exist now
         elif kind == "reply":
             self.answered(("broker",), msg)
-
 
     # -- one client record at a time -------------------------------------------------
     def wait(self, what: tuple, then=None) -> None:
@@ -143,12 +156,17 @@ class Channel(Stage):
             return
         then = self.then
         self.waiting = self.then = None
-        if what[0] == "link":
-            self.replay(value, then)
-        elif what[0] == "broker":
-            self.on_broker_reply(value, then)
-        else:
-            self.on_queue_answer(value, then)
+        try:
+            if isinstance(value, ChannelError):
+                raise value
+            if what[0] == "link":
+                self.replay(value, then)
+            elif what[0] == "broker":
+                then(value)
+            else:
+                self.on_queue_answer(value, then)
+        except ChannelError as err:
+            self.channel_error(err)
         self.resume()
 
     def resume(self) -> None:
@@ -170,23 +188,21 @@ class Channel(Stage):
 
     def replay(self, q: QueueLinks | None, op) -> None:
         kind = op[0]
-        try:
-            if kind == "publish":
-                flags, seq = wire.publish_head(op[1])
-                self.route_publish(op[1], flags, seq, time.monotonic_ns())
-            elif kind == "control":
-                if q is None:
-                    code, text = self.missing.get(op[2].encode("utf-8", "surrogateescape"),
-                                                  (404, f"NOT_FOUND - no queue '{shown(op[2])}' in vhost '/'"))
-                    raise ChannelError(code, text, *op[3])
-                self.send_to_queue(q, op[1], op[3])
-            elif kind == "ack" and q is not None:
-                q.out.put(op[1])
-        except ChannelError as err:
-            self.channel_error(err)
+        if kind == "publish":
+            self.route_publish(*op[1:])
+        elif kind == "control":
+            if q is None:
+                code, text = self.missing.get(op[2].encode("utf-8", "surrogateescape"),
+                                              (404, f"NOT_FOUND - no queue '{shown(op[2])}' in vhost '/'"))
+                raise ChannelError(code, text, *op[3])
+            self.send_to_queue(q, op[1], op[3])
+        elif kind == "ack" and q is not None:
+            q.out.put(op[1])
+        elif kind == "commit":
+            self.deliver_commit(op[1])
 
     def send_to_queue(self, q: QueueLinks, op: dict, ids) -> None:
-        """An operation the queue answers (declare_ok, done or error) before the next client record."""
+        """An operation the queue answers (declare_ok, done, purge_ok or error) before the next client record."""
         q.out.put(wire.encode_control(op))
         self.wait(("queue", q.name), ids)
 
@@ -200,25 +216,45 @@ class Channel(Stage):
             return
         kind = record[0]
         q = self.by_in_link.get(link.link_id)
+        if q is None:
+            return
         if kind == wire.Kind.CONFIRM:
-            self.on_confirms(wire.decode_confirm(record), q)
-        elif kind == wire.Kind.CONTROL and q is not None:
-            self.answered(("queue", q.name), wire.decode_control(record))
+            self.frames_out(self.confirms.confirmed(q.name, wire.decode_confirm(record)))
+        elif kind == wire.Kind.CONTROL:
+            msg = wire.decode_control(record)
+            if msg.get("op") == "nack":        # x-overflow reject-publish: the queue refused these
+                self.frames_out(self.confirms.rejected(q.name, msg["seqs"]))
+            else:
+                self.answered(("queue", q.name), msg)
 
     def client_record(self, record) -> None:
         kind = record[0]
-        if kind == wire.Kind.PUBLISH:
-            self.on_publish(record)
-        elif kind == wire.Kind.METHOD:
-            self.on_method(record)
-        elif kind == wire.Kind.ACK:
-            _, queue, _ = wire.decode_ack(record)
-            q = self.need_queue(queue, ("ack", record))
-            if q is not None:
-                q.out.put(record)
-        elif kind == wire.Kind.CONTROL and wire.decode_control(record).get("op") == "close":
-            self.close()
+        try:
+            if kind == wire.Kind.PUBLISH:
+                self.on_publish(record)
+            elif kind == wire.Kind.METHOD:
+                self.on_method(record)
+            elif kind == wire.Kind.ACK:
+                self.on_client_ack(record)
+            elif kind == wire.Kind.CONTROL and wire.decode_control(record).get("op") == "close":
+                self.close()
+        except ChannelError as err:
+            self.channel_error(err)
+        except (AmqpError, QueueError) as exc:
+            self.channel_error(from_amqp(exc))
 
+    def on_client_ack(self, record) -> None:
+        if self.closing:
+            return
+        if self.confirms.transactional:
+            self.confirms.buffer_ack(record)
+            return
+        _, queue, _ = wire.decode_ack(record)
+        q = self.need_queue(queue, ("ack", record))
+        if q is not None:
+            q.out.put(record)
+
+    # -- publishing ----------------------------------------------------------------
     def on_publish(self, record) -> None:
         if self.from_reader is not None:
             self.send_grants(self.credit.ack(self.from_reader.link_id))
@@ -227,185 +263,249 @@ class Channel(Stage):
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
-        if flags & wire.PUB_CONFIRM:
-            self.max_seq = seq
-            self.pending[seq] = 0          # holds its place in confirm order until routed
-        try:
-            self.route_publish(record, flags, seq, time.monotonic_ns())
-        except ChannelError as err:
-            self.pending.pop(seq, None)
-            self.channel_error(err)
-
-    def route(self, exchange: bytes, routing_key: bytes) -> list[bytes]:
-        """Target queues of a publish (RabbitMQ's default, direct, fanout and topic exchanges)."""
-        if not exchange:
-            return [routing_key]
-        key = (exchange, routing_key)
-        targets = self.routes.get(key)
-        if targets is None:
-            info = self.exchanges.get(exchange)
-            if info is None:
-                raise ChannelError(404, f"NOT_FOUND - no exchange '{shown(exchange)}' in vhost '/'", 60, 40)
-            kind, bindings = info
-            if kind == "fanout":
-                targets = list(dict.fromkeys(q for q, _ in bindings))
-            elif kind == "topic":
-                targets = list(dict.fromkeys(q for q, k in bindings if topic_matches(k, routing_key)))
-            else:
-                targets = list(dict.fromkeys(q for q, k in bindings if k == routing_key))
-            self.routes[key] = targets
-        return targets
-
-    def route_publish(self, record, flags: int, seq: int, now: int) -> None:
         exchange, routing_key = wire.content_route(record)
-        targets = self.route(exchange, routing_key)
+        headers = None
+        if self.routing.needs_headers(exchange):
+            headers = props.headers_of(wire.content_views(record, wire.PUBLISH_CONTENT_OFFSET)[2])
+        try:
+            targets = self.routing.route(exchange, routing_key, headers).queues
+        except AmqpError as exc:
+            raise from_amqp(exc) from None
+        if self.confirms.transactional:
+            flags |= wire.PUB_CONFIRM              # the commit waits for the queues to have it
+        self.route_publish(record, flags, seq, targets)
+
+    def route_publish(self, record, flags: int, seq: int, targets) -> None:
+        """Send a routed publish on to its queues (linking to them first), or handle it as unroutable."""
         queues = self.queues
         for name in targets:
             if name not in queues and name not in self.missing:
-                self.need_queue(name, ("publish", record))      # comes back here once linked
+                self.need_queue(name, ("publish", record, flags, seq, targets))    # comes back here once linked
                 return
         linked = [queues[name] for name in targets if name in queues]
         if not linked:
-            self.unroutable_publish(flags, seq, record)
+            self.unroutable_publish(flags, record)
+        if self.confirms.transactional:
+            self.confirms.buffer_publish(seq, [q.name for q in linked], (record, flags))
             return
         if flags & wire.PUB_CONFIRM:
-            self.pending[seq] = len(linked)
-            for q in linked:
-                q.unconfirmed.add(seq)
+            self.frames_out(self.confirms.publish(seq, [q.name for q in linked]))
+        if linked:
+            self.send_publish(record, flags, linked)
+
+    def send_publish(self, record, flags: int, linked) -> None:
+        if flags != record[1]:
+            record = bytearray(record)
+            record[1] = flags
+        now = time.monotonic_ns()
         for q in linked:
             q.out.put_message(record)
             self.credit.send(q.out.link_id, now)
         self.routed += 1
 
-    def unroutable_publish(self, flags: int, seq: int, record) -> None:
+    def unroutable_publish(self, flags: int, record) -> None:
         self.unroutable += 1
         if flags & wire.PUB_MANDATORY:
-            exchange, rk, props, body = wire.decode_content(record, wire.PUBLISH_CONTENT_OFFSET)
-            self.out_frames.append(frames.encode_basic_return(self.number, 312, "NO_ROUTE", exchange, rk, props, body,
-                                                              self.frame_max))
-        if flags & wire.PUB_CONFIRM:
-            self.pending.pop(seq, None)
-            self.confirm_done([seq])
+            exchange, rk, properties, body = wire.decode_content(record, wire.PUBLISH_CONTENT_OFFSET)
+            self.out_frames.append(frames.encode_basic_return(self.number, 312, "NO_ROUTE", exchange, rk, properties,
+                                                              body, self.frame_max))
+            self.returned += 1
 
-    def on_confirms(self, seqs, q: QueueLinks | None) -> None:
-        done = []
-        pending = self.pending
-        if q is not None:
-            q.unconfirmed.difference_update(seqs)
-        for seq in seqs:
-            left = pending.get(seq)
-            if left is None:
-                continue
-            if left <= 1:
-                del pending[seq]
-                done.append(seq)
-            else:
-                pending[seq] = left - 1
-        if done:
-            self.confirm_done(done)
-
-    def confirm_done(self, seqs) -> None:
-        """Ack confirmed publishes: one multiple ack below the lowest still pending, single acks above it.
-        A multiple ack never spans a nacked publish: over such a range each one is acked alone."""
-        lowest = next(iter(self.pending), None)
-        upto = (lowest - 1) if lowest is not None else self.max_seq
+    def frames_out(self, settled) -> None:
+        """The confirms core's (kind, tag, multiple) frames, encoded for the client."""
         out = self.out_frames
-        singles = seqs
-        if upto > self.last_multiple_ack:
-            nacked = self.nacked
-            if nacked and any(self.last_multiple_ack < n <= upto for n in nacked):
-                self.nacked = {n for n in nacked if n > upto}
-            else:
-                out.append(frames.encode_basic_ack(self.number, upto, True))
-                self.confirms_sent += 1
-                singles = [seq for seq in seqs if seq > upto]
-            self.last_multiple_ack = upto
-        for seq in singles:
-            out.append(frames.encode_basic_ack(self.number, seq, False))
-            self.confirms_sent += 1
+        for kind, tag, multiple in settled:
+            if kind == ACK:
+                out.append(frames.encode_basic_ack(self.number, tag, multiple))
+            elif kind == NACK:
+                out.append(frames.encode_method(self.number, commands.Basic.Nack(delivery_tag=tag, multiple=multiple,
+                                                                                  requeue=False)))
+            elif kind == COMMIT_OK:
+                out.append(frames.encode_method(self.number, commands.Tx.CommitOk()))
+
+    # -- transactions ----------------------------------------------------------------
+    def commit(self) -> None:
+        self.deliver_commit(self.confirms.commit())
+
+    def deliver_commit(self, commit) -> None:
+        """Send a commit's publishes and acks on to their queues, linking to every one first; a queue
+        that is gone by now counts as having taken its share (RabbitMQ's handling of a deleted queue)."""
+        needed = {name for _, names, _ in commit.publishes for name in names}
+        needed |= {wire.decode_ack(item)[1] for item in commit.acks}
+        unlinked = needed - self.queues.keys() - self.missing.keys()
+        if unlinked:
+            self.need_queue(min(unlinked), ("commit", commit))
+            return
+        for name in needed - self.queues.keys():
+            self.frames_out(self.confirms.queue_down(name, crashed=False))
+        for _seq, names, (record, flags) in commit.publishes:
+            linked = [self.queues[n] for n in names if n in self.queues]
+            if linked:
+                self.send_publish(record, flags, linked)
+        for item in commit.acks:
+            q = self.queues.get(wire.decode_ack(item)[1])
+            if q is not None:
+                q.out.put(item)
+        self.frames_out(commit.frames)
 
     # -- methods ----------------------------------------------------------------------
     def on_method(self, record) -> None:
         if self.closing:
             return                 # after a channel error only the client's close-ok matters
         payload = bytes(record[1:])
+        method = frames.decode_method(payload, 0, len(payload))
+        key = _ids(method)
         try:
-            method = frames.decode_method(payload, 0, len(payload))
+            self.confirms.check_method(*key)
             self.dispatch(method)
-        except ChannelError as err:
-            self.channel_error(err)
+        except (AmqpError, QueueError) as exc:
+            raise from_amqp(exc, *key) from None
 
     def dispatch(self, m) -> None:
         name = m.name
-        if name == "Queue.Declare":
-            queue = m.queue or f"amq.gen-{os.urandom(11).hex()}"
-            op = {"op": "declare", "channel": self.number, "queue": queue, "durable": m.durable,
-                  "exclusive": m.exclusive, "auto_delete": m.auto_delete, "passive": m.passive,
-                  "nowait": m.nowait, "reader": self.reader_name}
-            control.send_msg(self.ctl, {"type": "declare_queue", "queue": queue, "passive": m.passive,
-                                        "durable": m.durable, "auto_delete": m.auto_delete,
-                                        "exclusive": m.exclusive})
-            self.wait(("link", queue.encode()), ("control", op, queue, (50, 10)))
-        elif name == "Basic.Qos":
-            self.prefetch = m.prefetch_count
-            self.reply(commands.Basic.QosOk())
-        elif name == "Confirm.Select":
-            self.confirm = True
-            if not m.nowait:
-                self.reply(commands.Confirm.SelectOk())
-        elif name == "Basic.Consume":
-            tag = m.consumer_tag or f"amq.ctag-{os.urandom(11).hex()}"
-            if tag in self.consumers:
-                raise ChannelError(530, f"NOT_ALLOWED - attempt to reuse consumer tag '{tag}'", 60, 20)
-            self.consumers[tag] = m.queue.encode()
-            op = {"op": "consume", "channel": self.number, "ctag": tag, "no_ack": m.no_ack,
-                  "prefetch": self.prefetch, "nowait": m.nowait, "reader": self.reader_name,
-                  "exclusive": m.exclusive}
-            self.to_queue(m.queue, op, (60, 20))
-        elif name == "Basic.Cancel":
-            queue = self.consumers.pop(m.consumer_tag, None)
-            if queue is None:
-                if not m.nowait:
-                    self.reply(commands.Basic.CancelOk(consumer_tag=m.consumer_tag))
-                return
-            self.to_queue(queue.decode(), {"op": "cancel", "channel": self.number, "ctag": m.consumer_tag,
-                                           "nowait": m.nowait, "reader": self.reader_name}, (60, 30))
-        elif name == "Basic.Get":
-            self.to_queue(m.queue, {"op": "get", "channel": self.number, "no_ack": m.no_ack,
-                                    "reader": self.reader_name}, (60, 70))
-        elif name == "Basic.Recover":
-            for q in self.queues.values():
-                q.out.put(wire.encode_control({"op": "recover", "channel": self.number,
-                                               "reader": self.reader_name}))
-            self.reply(commands.Basic.RecoverOk())
-        elif name == "Channel.Flow":
-            if not m.active:
-                raise ChannelError(540, "NOT_IMPLEMENTED - active=false", *CHANNEL_FLOW)
-            self.reply(commands.Channel.FlowOk(active=True))
-        elif name == "Exchange.Declare":
-            self.ask({"type": "declare_exchange", "exchange": m.exchange, "kind": m.exchange_type,
-                      "durable": m.durable, "passive": m.passive},
-                     None if m.nowait else commands.Exchange.DeclareOk(), (40, 10))
-        elif name == "Queue.Bind":
-            self.ask({"type": "bind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key},
-                     None if m.nowait else commands.Queue.BindOk(), (50, 20))
-        elif name == "Queue.Unbind":
-            self.ask({"type": "unbind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key},
-                     commands.Queue.UnbindOk(), (50, 50))
-        else:
+        handler = getattr(self, "m_" + name.replace(".", "_"), None)
+        if handler is None:
             raise ChannelError(540, f"NOT_IMPLEMENTED - {name}", *_ids(m))
+        handler(m)
 
+    # queue class
+    def m_Queue_Declare(self, m) -> None:
+        queue = m.queue or f"amq.gen-{os.urandom(11).hex()}"
+        op = {"op": "declare", "channel": self.number, "queue": queue, "nowait": m.nowait}
+        control.send_msg(self.ctl, {"type": "declare_queue", "queue": queue, "passive": m.passive,
+                                    "durable": m.durable, "auto_delete": m.auto_delete, "exclusive": m.exclusive,
+                                    "arguments": arguments_to_json(m.arguments)})
+        self.wait(("link", queue.encode()), ("control", op, queue, QUEUE_DECLARE))
+
+    def m_Queue_Bind(self, m) -> None:
+        self.ask({"op": "bind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key,
+                  "arguments": arguments_to_json(m.arguments)}, None if m.nowait else commands.Queue.BindOk(),
+                 QUEUE_BIND)
+
+    def m_Queue_Unbind(self, m) -> None:
+        self.ask({"op": "unbind", "queue": m.queue, "exchange": m.exchange, "routing_key": m.routing_key,
+                  "arguments": arguments_to_json(m.arguments)}, commands.Queue.UnbindOk(), QUEUE_UNBIND)
+
+    def m_Queue_Purge(self, m) -> None:
+        self.to_queue(m.queue, {"op": "purge", "channel": self.number, "nowait": m.nowait}, QUEUE_PURGE)
+
+    def m_Queue_Delete(self, m) -> None:
+        def deleted(msg) -> None:
+            if not msg.get("ok"):
+                raise ChannelError(msg["code"], msg["text"], *QUEUE_DELETE)
+            if not m.nowait:
+                self.reply(commands.Queue.DeleteOk(message_count=msg.get("message_count", 0)))
+        control.send_msg(self.ctl, {"type": "delete_queue", "queue": m.queue, "if_unused": m.if_unused,
+                                    "if_empty": m.if_empty})
+        self.wait(("broker",), deleted)
+
+    # exchange class
+    def m_Exchange_Declare(self, m) -> None:
+        self.ask({"op": "declare", "exchange": m.exchange, "kind": m.exchange_type, "durable": m.durable,
+                  "auto_delete": m.auto_delete, "internal": m.internal, "passive": m.passive,
+                  "arguments": arguments_to_json(m.arguments)},
+                 None if m.nowait else commands.Exchange.DeclareOk(), EXCHANGE_DECLARE)
+
+    def m_Exchange_Delete(self, m) -> None:
+        self.ask({"op": "delete", "exchange": m.exchange, "if_unused": m.if_unused},
+                 None if m.nowait else commands.Exchange.DeleteOk(), EXCHANGE_DELETE)
+
+    def m_Exchange_Bind(self, m) -> None:
+        self.ask({"op": "bind_exchange", "source": m.source, "destination": m.destination,
+                  "routing_key": m.routing_key, "arguments": arguments_to_json(m.arguments)},
+                 None if m.nowait else commands.Exchange.BindOk(), EXCHANGE_BIND)
+
+    def m_Exchange_Unbind(self, m) -> None:
+        self.ask({"op": "unbind_exchange", "source": m.source, "destination": m.destination,
+                  "routing_key": m.routing_key, "arguments": arguments_to_json(m.arguments)},
+                 None if m.nowait else commands.Exchange.UnbindOk(), EXCHANGE_UNBIND)
+
+    # basic class
+    def m_Basic_Qos(self, m) -> None:
+        if m.global_:
+            self.channel_prefetch = m.prefetch_count
+            for q in self.queues.values():
+                q.out.put(wire.encode_control({"op": "qos_global", "channel": self.number,
+                                               "reader": self.reader_name, "count": m.prefetch_count}))
+        else:
+            self.prefetch = m.prefetch_count
+        self.reply(commands.Basic.QosOk())
+
+    def m_Basic_Consume(self, m) -> None:
+        tag = m.consumer_tag or f"amq.ctag-{os.urandom(11).hex()}"
+        if tag in self.consumers:
+            raise ChannelError(530, f"NOT_ALLOWED - attempt to reuse consumer tag '{tag}'", *BASIC_CONSUME)
+        priority = consumer_priority(m.queue, m.arguments)
+        self.consumers[tag] = m.queue.encode()
+        op = {"op": "consume", "channel": self.number, "ctag": tag, "no_ack": m.no_ack,
+              "prefetch": self.prefetch, "channel_prefetch": self.channel_prefetch, "nowait": m.nowait,
+              "reader": self.reader_name, "exclusive": m.exclusive, "priority": priority}
+        self.to_queue(m.queue, op, BASIC_CONSUME)
+
+    def m_Basic_Cancel(self, m) -> None:
+        queue = self.consumers.pop(m.consumer_tag, None)
+        if queue is None:
+            if not m.nowait:
+                self.out_frames.append(frames.encode_reply(self.number, commands.Basic.CancelOk,
+                                                           consumer_tag=m.consumer_tag))
+            return
+        self.to_queue(queue.decode(), {"op": "cancel", "channel": self.number, "ctag": m.consumer_tag,
+                                       "nowait": m.nowait, "reader": self.reader_name}, BASIC_CANCEL)
+
+    def m_Basic_Get(self, m) -> None:
+        self.to_queue(m.queue, {"op": "get", "channel": self.number, "no_ack": m.no_ack,
+                                "reader": self.reader_name}, BASIC_GET)
+
+    def m_Basic_Recover(self, m) -> None:
+        if not m.requeue:
+            raise ChannelError(540, "NOT_IMPLEMENTED - requeue=false", 60, 110)
+        self.recover()
+        self.reply(commands.Basic.RecoverOk())
+
+    def m_Basic_RecoverAsync(self, m) -> None:
+        self.recover()
+
+    def recover(self) -> None:
+        for q in self.queues.values():
+            q.out.put(wire.encode_control({"op": "recover", "channel": self.number, "reader": self.reader_name}))
+
+    # confirms and transactions
+    def m_Confirm_Select(self, m) -> None:
+        self.confirms.select_confirm()
+        if not m.nowait:
+            self.reply(commands.Confirm.SelectOk())
+
+    def m_Tx_Select(self, m) -> None:
+        self.confirms.select_tx()
+        self.reply(commands.Tx.SelectOk())
+
+    def m_Tx_Commit(self, m) -> None:
+        self.commit()
+
+    def m_Tx_Rollback(self, m) -> None:
+        self.confirms.rollback()
+        self.reply(commands.Tx.RollbackOk())
+
+    def m_Access_Request(self, m) -> None:
+        self.reply(commands.Access.RequestOk(ticket=1))     # deprecated, but RabbitMQ still answers it
+
+    # channel class
+    def m_Channel_Flow(self, m) -> None:
+        if not m.active:
+            raise ChannelError(540, "NOT_IMPLEMENTED - active=false", 20, 20)
+        self.reply(commands.Channel.FlowOk(active=True))
+
+    # -- asking ------------------------------------------------------------------------
     def ask(self, request: dict, answer, ids) -> None:
         """A request the supervisor decides (exchanges, bindings); the client's answer waits for it."""
-        control.send_msg(self.ctl, request)
-        self.wait(("broker",), (answer, ids))
+        control.send_msg(self.ctl, {"type": "exchange", **request})
 
-    def on_broker_reply(self, msg: dict, then) -> None:
-        answer, ids = then
-        if not msg.get("ok"):
-            self.channel_error(ChannelError(msg["code"], msg["text"], *ids))
-        elif answer is not None:
-            self.reply(answer)
+        def answered(msg) -> None:
+            if not msg.get("ok"):
+                raise ChannelError(msg["code"], msg["text"], *ids)
+            if answer is not None:
+                self.reply(answer)
+        self.wait(("broker",), answered)
 
     def to_queue(self, queue: str, op: dict, ids) -> None:
         q = self.need_queue(queue.encode(), ("control", op, queue, ids))
@@ -413,16 +513,18 @@ class Channel(Stage):
             self.send_to_queue(q, op, ids)
 
     def on_queue_answer(self, msg: dict, ids) -> None:
-        """The queue's answer to the operation this channel waited on: declare_ok, done, or error."""
+        """The queue's answer to the operation this channel waited on."""
         op = msg.get("op")
         if op == "declare_ok":
             if not msg.get("nowait"):
                 self.out_frames.append(frames.encode_reply(
                     self.number, commands.Queue.DeclareOk, queue=msg["queue"], message_count=msg["message_count"],
                     consumer_count=msg["consumer_count"]))
+        elif op == "purge_ok":
+            if not msg.get("nowait"):
+                self.reply(commands.Queue.PurgeOk(message_count=msg["message_count"]))
         elif op == "error":
-            self.channel_error(ChannelError(msg["code"], msg["text"], msg.get("class_id", 0),
-                                            msg.get("method_id", 0)))
+            raise ChannelError(msg["code"], msg["text"], msg.get("class_id") or ids[0], msg.get("method_id") or ids[1])
 
     def reply(self, method) -> None:
         self.out_frames.append(frames.encode_method(self.number, method))
@@ -473,22 +575,19 @@ class Channel(Stage):
         self.by_in_link.pop(q.inp.link_id, None)
         self.queue_gone(q, crashed=reason == "crashed")
         if self.waiting == ("queue", q.name):     # it will never answer what we asked
-            self.answered(self.waiting, {"op": "error", "code": 404, "class_id": self.then[0], "method_id": self.then[1],
+            ids = self.then or (0, 0)
+            self.answered(self.waiting, {"op": "error", "code": 404, "class_id": ids[0], "method_id": ids[1],
                                          "text": f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' process is "
                                                  "stopped by supervisor"})
 
     def queue_gone(self, q: QueueLinks, crashed: bool) -> None:
         """A queue process this channel used has ended (RabbitMQ's handle_publishing_queue_down and
         handle_consuming_queue_down). If it crashed, every publish it had not confirmed is nacked,
-        whatever other queues it also went to; if it ended as it should, it counts as confirmed there.
-        Its consumers are cancelled: basic.cancel to a client that announced consumer_cancel_notify;
-        a client that did not would wait forever, so after a crash its channel is closed (404)."""
-        if q.unconfirmed:
-            if crashed:
-                self.nack(sorted(q.unconfirmed))
-            else:
-                self.on_confirms(sorted(q.unconfirmed), None)
-            q.unconfirmed.clear()
+        whatever other queues it also went to; if it ended as it should (deleted), it counts as
+        confirmed there. Its consumers are cancelled: basic.cancel to a client that announced
+        consumer_cancel_notify; a client that did not would wait forever after a crash, so its
+        channel is closed then (404)."""
+        self.frames_out(self.confirms.queue_down(q.name, crashed))
         tags = [tag for tag, name in self.consumers.items() if name == q.name]
         for tag in tags:
             del self.consumers[tag]
@@ -496,25 +595,19 @@ class Channel(Stage):
             return
         if self.cancel_notify:
             for tag in tags:
-                self.reply(commands.Basic.Cancel(consumer_tag=tag, nowait=True))
+                self.out_frames.append(frames.encode_reply(self.number, commands.Basic.Cancel, consumer_tag=tag,
+                                                           nowait=True))
         elif crashed:
             # a soft code: only this channel closes (AMQP's 541 would close the connection)
             self.channel_error(ChannelError(404, f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' crashed; "
                                                  f"consumer{'s' if len(tags) > 1 else ''} "
                                                  f"{', '.join(tags)} cancelled"))
 
-    def nack(self, seqs) -> None:
-        """basic.nack each publish in ``seqs``: it will never be confirmed now."""
-        for seq in seqs:
-            if self.pending.pop(seq, None) is not None:
-                self.nacked.add(seq)
-                self.out_frames.append(frames.encode_method(self.number, commands.Basic.Nack(delivery_tag=seq)))
-                self.nacks_sent += 1
-        self.confirm_done([])
-
     def extra_stats(self, now_ns: int) -> dict:
+        cs = self.confirms.statistics()
         return {"number": self.number, "routed": self.routed, "unroutable": self.unroutable,
-                "unconfirmed": len(self.pending), "confirms_sent": self.confirms_sent, "nacks_sent": self.nacks_sent}
+                "returned": self.returned, "unconfirmed": cs.unconfirmed, "confirms_sent": cs.ack_frames,
+                "nacks_sent": cs.nack_frames, "confirm_mode": cs.mode}
 
 
 def shown(name) -> str:
@@ -522,21 +615,6 @@ def shown(name) -> str:
     if isinstance(name, str):
         name = name.encode("utf-8", "surrogateescape")
     return bytes(name).decode("utf-8", "replace")
-
-
-def topic_matches(pattern: bytes, routing_key: bytes) -> bool:
-    """RabbitMQ topic matching: words split on '.', '*' is one word, '#' zero or more."""
-    return _topic(pattern.split(b"."), routing_key.split(b".") if routing_key else [])
-
-
-def _topic(p: list, k: list) -> bool:
-    if not p:
-        return not k
-    if p[0] == b"#":
-        return any(_topic(p[1:], k[i:]) for i in range(len(k) + 1))
-    if not k:
-        return False
-    return (p[0] == b"*" or p[0] == k[0]) and _topic(p[1:], k[1:])
 
 
 def _ids(method) -> tuple[int, int]:

@@ -1,166 +1,143 @@
-"""The queue: one process per AMQP queue.
+"""The queue: one process per AMQP queue, a shell over ``pipeline.broker.backlog``.
 
-It acks a publish's credit on receipt (before enqueueing), then runs
-``deliver_or_enqueue``: straight to a consumer with prefetch room, else onto
-its backlog. Deliveries go to the consumer's reader over a ring that carries
-no credit; they are bounded by prefetch and by that ring's space. Persistent
-messages of ``QUEUE_INDEX_EMBED_MSGS_BELOW`` bytes or more in a durable queue
-are also written to the message store, spending store credit
-(``msg_store_credit_disc_bound``); while the store holds the queue blocked it
-keeps accepting deliveries but defers its grants to channels.
+It acks a publish's credit on receipt (before enqueueing) and hands the
+message to its :class:`~pipeline.broker.backlog.Backlog`, which runs
+``deliver_or_enqueue`` and everything after it (consumers, prefetch, acks,
+requeue order, TTL, max-length, dead-lettering) and returns what to do. This
+shell does the I/O those actions need:
 
-Confirms go back to the publishing channel: at once for transient messages or
-any message to a non-durable queue, after the store reports the message on
-disk for those it wrote.
+* deliveries go to the consumer's reader over a ring that carries no credit,
+  bounded by the ring's space and ``DELIVERY_WINDOW`` (the ``room`` it gives
+  the core);
+* persistent messages in a durable queue are journaled (``pipeline.journal``);
+  those of ``QUEUE_INDEX_EMBED_MSGS_BELOW`` bytes or more are also written to
+  the message store under store credit (``msg_store_credit_disc_bound``);
+  their publishers are confirmed once the journal's fsync (and the store's)
+  covers them, others at once;
+* dead-lettered copies are routed with this queue's copy of the routing
+  table and sent to their queues as a publisher would, spending credit (a
+  slow target blocks this queue, and so its publishers) and held while a
+  resource alarm holds publishers: dead-lettering cannot bypass flow control;
+* under memory pressure, records are paged out (``pipeline.broker.paging``).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import os
 import struct
 import time
 
 from pamqp import commands
 
+from ipc import control
 from pipeline import wire
 from pipeline.amqp import frames
+from pipeline.broker import props
+from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
+from pipeline.broker.backlog import (Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk, Message,
+                                     Nack, dead_letter_cycles, record_death)
+from pipeline.broker.backlog import Confirm as ConfirmAction
+from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, PageFile, Paged
+from pipeline.broker.routing import RoutingTable
 from pipeline.journal import QueueJournal, read_store_bodies
-from pipeline.channel import busy_wait_ns
 from pipeline.stage import Stage, read_batch_for
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
-PAGE_BATCH_MESSAGES = 2048        # messages and pending acks paged out per round
-PAGE_ROUND_INTERVAL_NS = 50_000_000
-
-
-class Paged:
-    """A message record that was paged out: where it lies in the queue's page file."""
-
-    __slots__ = ("offset", "length")
-
-    def __init__(self, offset: int, length: int):
-        self.offset, self.length = offset, length
-
-
-class PageFile:
-    """Records paged out of RAM, appended and read back by position; emptied when nothing is paged."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.fd = -1
-        self.end = 0
-        self.count = 0
-
-    def write(self, record) -> Paged:
-        if self.fd < 0:
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.pwrite(self.fd, record, self.end)
-        ref = Paged(self.end, len(record))
-        self.end += len(record)
-        self.count += 1
-        return ref
-
-    def read(self, ref: Paged) -> bytes:
-        return os.pread(self.fd, ref.length, ref.offset)
-
-    def release(self) -> None:
-        self.count -= 1
-        if self.count == 0:
-            os.ftruncate(self.fd, 0)
-            self.end = 0
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's length word, give or take
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
-DELIVERY_WINDOW = 1000            # deliveries in flight to one consumer's reader, whatever the prefetch
+DELIVERY_WINDOW = 1000             # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
 TRIM_AFTER_FALL_FRACTION = 1 / 16    # trim each time the backlog has fallen by this much since the last trim,
 TRIM_MIN_INTERVAL_NS = 100_000_000   # but not more often: a trim costs ~0.1 ms per MiB it returns
+BASIC_CONSUME = (60, 20)
 
-class Consumer:
-    __slots__ = ("ctag", "ctag_bytes", "channel", "reader", "via", "link", "no_ack", "prefetch", "unacked")
 
-    def __init__(self, ctag: str, channel: int, reader: str, link, no_ack: bool, prefetch: int, via: str = ""):
-        self.ctag = ctag
-        self.ctag_bytes = ctag.encode()
-        self.channel = channel
-        self.reader = reader
-        self.via = via             # the channel process it consumes through (its acks come from there)
-        self.link = link
-        self.no_ack = no_ack
-        self.prefetch = prefetch
-        self.unacked = 0
+def busy_wait_ns(ns: int) -> None:
+    end = time.perf_counter_ns() + ns
+    while time.perf_counter_ns() < end:
+        pass
+
+
+def names_of(record) -> tuple[str, tuple[str]]:
+    """A publish's exchange and routing keys as the text x-death records them."""
+    exchange, routing_key = wire.content_route(record)
+    return exchange.decode("utf-8", "surrogateescape"), (routing_key.decode("utf-8", "surrogateescape"),)
+
+
+class ConsumerInfo:
+    """Where a consumer's deliveries go: its reader's link, its channel number and tag."""
+
+    __slots__ = ("link", "channel", "ctag_bytes")
+
+    def __init__(self, link, channel: int, ctag: str):
+        self.link, self.channel, self.ctag_bytes = link, channel, ctag.encode()
 
 
 class Queue(Stage):
     kind = "queue"
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
-                 exclusive: bool = False, auto_delete: bool = False, store_spec=None, delay_us: int = 0,
-                 frame_max: int = 131072, run_id: str = "", journal_dir: str | None = None,
-                 store_dir: str | None = None, page_path: str | None = None, incarnation: int = 0):
+                 exclusive: bool = False, auto_delete: bool = False, args: QueueArgs | None = None,
+                 store_spec=None, delay_us: int = 0, frame_max: int = 131072, run_id: str = "",
+                 journal_dir: str | None = None, store_dir: str | None = None, page_path: str | None = None,
+                 incarnation: int = 0, routing: dict | None = None):
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.queue = queue
-        self.queue_bytes = queue.encode()
+        self.queue_bytes = queue.encode("utf-8", "surrogateescape")
         self.durable = durable
         self.exclusive = exclusive
-        self.auto_delete = auto_delete
+        self.args = args or QueueArgs()
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
         self.read_batch = read_batch_for(self.delay_ns)
         self.frame_max = frame_max
         self.run_id = run_id
         self.id_prefixes: dict[str, bytes] = {}     # publishing channel -> 8-byte prefix of store ids
-        self.next_id = 1
-        self.messages: collections.deque = collections.deque()   # (msg_id, record, redelivered)
-        self.unacked: dict[int, tuple] = {}                       # msg_id -> (record, consumer or (reader, channel), on_store)
-        self.consumers: list[Consumer] = []
-        self.rr = 0
-        self.window_full = False
+        self.consumers: dict[tuple, ConsumerInfo] = {}       # (channel process, tag) -> where deliveries go
+        self.get_links: dict[str, tuple] = {}               # channel process -> (reader link, channel number)
+        self.channel_reader: dict[str, str] = {}            # channel process -> its reader
         self.reader_links: dict[str, object] = {}
-        self.peer_out: dict[str, object] = {}                     # peer name -> out link
+        self.peer_out: dict[str, object] = {}                # peer name -> out link
         self.store_out = None
         self.store_in = None
-        self.confirms: dict[object, list[int]] = {}
+        self.confirms: dict[str, list[int]] = {}             # channel process -> seqs to confirm
+        self.nacks: dict[str, list[int]] = {}
+        self.record_bytes = 256                              # recent delivery record size, for ring room
         self.peak_messages = 0
         self.paging = False
         self.pages = PageFile(page_path) if page_path else None
-        self.paged_messages = 0
-        self.paged_acks = 0
         self.paged_out = 0
         self.paged_in = 0
         self.last_page_round_ns = 0
         self.page_sizes = (0, 0)
-        self.waiting: dict[int, list] = {}        # msg_id -> [out link, seq, journal synced?, store on disk?]
+        self.unsafe: dict[int, list] = {}        # msg id -> [journal synced?, store on disk?]
         self.by_store_id: dict[bytes, int] = {}
-        self.unwritten: dict[bytes, bytes] = {}   # store id -> WRITE record the store has not reported on disk
-        self.store_lost = False                   # the store died: re-send ``unwritten`` to its successor
+        self.store_ids: dict[int, bytes] = {}    # msg id -> its store id (bodies the store keeps)
+        self.unwritten: dict[bytes, bytes] = {}  # store id -> WRITE record the store has not reported on disk
+        self.store_lost = False                  # the store died: re-send ``unwritten`` to its successor
         self.store_resent = 0
         self.journal = QueueJournal(journal_dir) if durable and journal_dir else None
         self.journal_first_unsynced_ns: int | None = None
         self.journal_acks: list[int] = []
         self.journal_fsyncs = 0
-        self.recovered = 0
-        self.enqueued = 0
-        self.delivered = 0
-        self.acked = 0
         self.stored = 0
-        if self.journal is not None:
-            self.recover(store_dir)
-        # message ids of a restarted queue never repeat its earlier life's: a late ack meant for
-        # one of those deliveries then matches nothing here
-        self.next_id = max(self.next_id, (incarnation << MSG_ID_INCARNATION_SHIFT) + 1)
+        self.removes: list[bytes] = []           # store ids to remove, sent once a turn
+        self.routing = RoutingTable.from_snapshot(routing) if routing else None
+        self.dl_links: dict[bytes, object] = {}  # target queue -> out link, for dead-lettered copies
+        self.dl_pending: collections.deque = collections.deque()   # (record, target queues) not yet sent
+        self.dl_asked: set[bytes] = set()
+        self.dl_sent = 0
+        self.dl_cycles = 0
+        self.alarms: set[str] = set()
+        now = time.monotonic_ns()
+        recovered = self.recover(store_dir) if self.journal is not None else []
+        first_id = max([m.id + 1 for m in recovered] + [(incarnation << MSG_ID_INCARNATION_SHIFT) + 1])
+        self.core = Backlog(queue, now, self.args, auto_delete=auto_delete, first_id=first_id)
+        for msg in recovered:
+            self.core.restore(msg)
+        self.recovered = len(recovered)
 
     # -- wiring -----------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -178,23 +155,37 @@ class Queue(Stage):
             self.store_in = link
 
     def on_control(self, msg: dict, fds) -> None:
-        if msg.get("type") == "page" and self.pages is not None:
+        kind = msg.get("type")
+        if kind == "page" and self.pages is not None:
             self.paging = bool(msg["on"])
+        elif kind == "alarms":
+            self.alarms = set(msg["set"])
+        elif kind == "routing" and self.routing is not None:
+            self.routing.apply(msg["changes"])
+        elif kind == "delete":
+            self.delete(msg)
+        elif kind in ("queue_linked", "no_queue", "declare_refused"):
+            self.on_dl_link(msg)
+        self.dirty = True
 
     def on_peer_down(self, link_id: int, reason: str) -> None:
         if self.store_in is not None and self.store_in.link_id == link_id:
             self.store_in = None
-        for peer, link in list(self.peer_out.items()):
+        for name, link in list(self.dl_links.items()):
             if link.link_id == link_id:
-                del self.peer_out[peer]
-                if self.reader_links.pop(peer, None) is not None:
-                    self.drop_consumers(lambda c, r=peer: c.reader == r, reader=peer)
-                elif peer == "store":
-                    self.store_out = None
-                    self.store_lost = True
-                elif reason == "crashed":     # a channel died: what its consumers and gets held goes back
-                    self.drop_consumers(lambda c, v=peer: c.via == v, requeue=False)
-                    self.requeue_where(lambda who, v=peer: who[2] == v)
+                del self.dl_links[name]
+        for peer, link in list(self.peer_out.items()):
+            if link.link_id != link_id:
+                continue
+            del self.peer_out[peer]
+            if self.reader_links.pop(peer, None) is not None:     # a connection is gone: its channels too
+                for channel in [c for c, r in self.channel_reader.items() if r == peer]:
+                    self.channel_closed(channel)
+            elif peer == "store":
+                self.store_out = None
+                self.store_lost = True
+            elif peer.startswith("channel"):
+                self.channel_closed(peer)
 
     def resend_unwritten(self) -> None:
         """A new store took over: write again what the dead one never reported on disk, in order."""
@@ -222,110 +213,62 @@ class Queue(Stage):
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
-        msg_id = self.next_id
-        self.next_id += 1
-        self.enqueued += 1
+        body_size = wire.content_body_len(record)
+        persistent = flags & wire.PUB_PERSISTENT
+        expiration = None
+        priority, raw_expiration = props.priority_expiration(wire.content_props(record))
+        if raw_expiration is not None:
+            try:
+                expiration = parse_expiration(raw_expiration)
+            except QueueError:
+                expiration = None              # not a whole number of ms: RabbitMQ's channel refuses it
+        exchange, routing_keys = "", ()
+        if self.args.dead_letter_exchange is not None:        # x-death names where the message came from
+            exchange, routing_keys = names_of(record)
+        msg = Message(record, body_size, persistent=bool(persistent), priority=priority, expiration_ms=expiration,
+                      publisher=link.peer if flags & wire.PUB_CONFIRM else None, seq=seq,
+                      exchange=exchange, routing_keys=routing_keys)
+        keep = persistent and self.journal is not None
+        if keep:
+            self.keep(msg, self.core.next_id, link.peer, seq, record, flags)
+        self.do(self.core.publish(msg, time.monotonic_ns(), safe=not keep, room=self.room()))
+
+    def keep(self, msg: Message, msg_id: int, channel: str, seq: int, record, flags: int) -> None:
+        """Journal a persistent message (its body to the store when big); its confirm waits for both."""
         on_store = None
-        if (flags & wire.PUB_PERSISTENT and self.durable and self.store_out is not None
-                and wire.content_body_len(record) >= QUEUE_INDEX_EMBED_MSGS_BELOW):
-            on_store = self.store_id(link.peer, seq)
+        if self.store_out is not None and msg.size >= QUEUE_INDEX_EMBED_MSGS_BELOW:
+            on_store = self.store_id(channel, seq)
             write = wire.encode_write(on_store, memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
             self.unwritten[on_store] = write
             self.store_out.put_message(write)
             self.credit.send(self.store_out.link_id, time.monotonic_ns())
             self.stored += 1
-        persistent = self.journal is not None and flags & wire.PUB_PERSISTENT
-        if persistent:
-            self.journal_publish(msg_id, flags, on_store, record)
-        if flags & wire.PUB_CONFIRM:
-            out = self.peer_out.get(link.peer)
-            if out is None:
-                pass
-            elif persistent:           # after the journal's fsync, and the store's for a body it holds
-                self.waiting[msg_id] = [out, seq, False, on_store is None]
-                if on_store is not None:
-                    self.by_store_id[on_store] = msg_id
-            else:
-                self.confirms.setdefault(out, []).append(seq)
-        self.messages.append((msg_id, record, False, on_store))
-
-    def journal_publish(self, msg_id: int, flags: int, on_store, record) -> None:
-        # a message kept in the shared store is found there by its id; the journal holds the rest whole
+            self.store_ids[msg_id] = on_store
+            self.by_store_id[on_store] = msg_id
         content = b"" if on_store else memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]
         self.journal.publish(msg_id, flags & ~wire.PUB_CONFIRM, on_store, content)
         if self.journal_first_unsynced_ns is None:
             self.journal_first_unsynced_ns = time.monotonic_ns()
+        if msg.publisher is not None:
+            self.unsafe[msg_id] = [False, on_store is None]
 
-    def recover(self, store_dir: str | None) -> None:
-        """Rebuild the backlog from the journal (and the store's files for the bodies kept there)."""
+    def recover(self, store_dir: str | None) -> list[Message]:
+        """The backlog's messages from the journal (and the store's files for the bodies kept there)."""
         entries = self.journal.recover()
         bodies = read_store_bodies(store_dir or "", {sid for _, _, sid, _ in entries if sid is not None})
+        out = []
         for msg_id, flags, store_id, content in entries:
             if store_id is not None:
                 content = bodies.get(store_id)   # the store keeps the publish's whole content
                 if content is None:
                     continue        # never reached the store's disk, so it was never confirmed
+                self.store_ids[msg_id] = store_id
             record = wire.encode_publish_record(flags, 0, content)
-            self.messages.append((msg_id, record, True, store_id))
-            self.next_id = max(self.next_id, msg_id + 1)
-        self.recovered = len(self.messages)
-        self.enqueued = self.recovered
-
-    def page_in(self, record, queued: bool):
-        """The record itself, read back from the page file if it was paged out."""
-        if type(record) is not Paged:
-            return record
-        self.paged_in += 1
-        if queued:
-            self.paged_messages -= 1
-        else:
-            self.paged_acks -= 1
-        data = self.pages.read(record)
-        self.pages.release()
-        return data
-
-    def page_out(self, now_ns: int) -> None:
-        """One round: page out up to PAGE_BATCH_MESSAGES records, the faster-growing kind first."""
-        if now_ns - self.last_page_round_ns < PAGE_ROUND_INTERVAL_NS:
-            return
-        self.last_page_round_ns = now_ns
-        ram_msgs = len(self.messages) - self.paged_messages
-        ram_acks = len(self.unacked) - self.paged_acks
-        grew_msgs, grew_acks = ram_msgs - self.page_sizes[0], ram_acks - self.page_sizes[1]
-        quota = PAGE_BATCH_MESSAGES
-        order = (self.page_acks, self.page_messages) if grew_acks > grew_msgs else (self.page_messages,
-                                                                                    self.page_acks)
-        for step in order:
-            quota -= step(quota)
-        self.page_sizes = (len(self.messages) - self.paged_messages, len(self.unacked) - self.paged_acks)
-        if quota < PAGE_BATCH_MESSAGES:
-            self.trim(now_ns)
-            self.dirty = True           # paged counts changed: the next statistics push says so
-
-    def page_messages(self, quota: int) -> int:
-        messages = self.messages
-        n = len(messages)
-        picked = []
-        for back, entry in enumerate(reversed(messages)):   # the newest are delivered last: page them first
-            if len(picked) >= quota or self.paged_messages + len(picked) >= n:
-                break
-            if type(entry[1]) is not Paged:
-                picked.append(n - 1 - back)
-        for i in picked:
-            msg_id, record, redelivered, on_store = messages[i]
-            messages[i] = (msg_id, self.pages.write(record), redelivered, on_store)
-        self.paged_messages += len(picked)
-        self.paged_out += len(picked)
-        return len(picked)
-
-    def page_acks(self, quota: int) -> int:
-        picked = [msg_id for msg_id, (record, _, _) in self.unacked.items() if type(record) is not Paged][:quota]
-        for msg_id in picked:
-            record, owner, on_store = self.unacked[msg_id]
-            self.unacked[msg_id] = (self.pages.write(record), owner, on_store)
-        self.paged_acks += len(picked)
-        self.paged_out += len(picked)
-        return len(picked)
+            priority, _ = props.priority_expiration(wire.content_props(record))
+            exchange, routing_keys = names_of(record)
+            out.append(Message(record, wire.content_body_len(record), persistent=True, priority=priority,
+                               exchange=exchange, routing_keys=routing_keys, redelivered=True, id=msg_id))
+        return out
 
     def store_id(self, channel: str, seq: int) -> bytes:
         """The same 16 bytes in every queue a publish reaches, so the store writes its body once."""
@@ -337,78 +280,230 @@ class Queue(Stage):
 
     def on_disk(self, ids) -> None:
         unwritten = self.unwritten
+        safe = []
         for store_id in ids:
             unwritten.pop(store_id, None)
             msg_id = self.by_store_id.pop(store_id, None)
-            entry = self.waiting.get(msg_id) if msg_id is not None else None
+            entry = self.unsafe.get(msg_id) if msg_id is not None else None
             if entry is not None:
-                entry[3] = True
-                self.confirm_if_ready(msg_id, entry)
-
-    def confirm_if_ready(self, msg_id: int, entry: list) -> None:
-        if entry[2] and entry[3]:
-            del self.waiting[msg_id]
-            self.confirms.setdefault(entry[0], []).append(entry[1])
+                entry[1] = True
+                if entry[0]:
+                    del self.unsafe[msg_id]
+                    safe.append(msg_id)
+        if safe:
+            self.do(self.core.mark_safe(safe))
 
     def sync_journal(self) -> None:
         self.journal.sync()
         self.journal_fsyncs += 1
         self.journal_first_unsynced_ns = None
-        for msg_id, entry in list(self.waiting.items()):
-            if not entry[2]:
-                entry[2] = True
-                self.confirm_if_ready(msg_id, entry)
-
-    def forget(self, msg_id: int, record, on_store) -> list:
-        """A message is gone for good (acked, or delivered without ack): returns its store id to remove."""
-        self.acked += 1
-        if self.journal is not None and record[1] & wire.PUB_PERSISTENT:
-            self.journal_acks.append(msg_id)
-        if on_store is None:
-            return []
-        self.unwritten.pop(on_store, None)      # a store that took over need not write it at all
-        return [on_store]
+        safe = []
+        for msg_id, entry in list(self.unsafe.items()):
+            entry[0] = True
+            if entry[1]:
+                del self.unsafe[msg_id]
+                safe.append(msg_id)
+        if safe:
+            self.do(self.core.mark_safe(safe))
 
     def on_ack(self, link, record) -> None:
         flags, _, ids = wire.decode_ack(record)
-        requeue = []
-        removed = []
-        via = link.peer
-        unacked = self.unacked
-        for msg_id in ids:
-            entry = unacked.get(msg_id)
-            if entry is None:
-                continue
-            rec, owner, on_store = entry
-            if isinstance(owner, Consumer):
-                if owner.via != via:
-                    continue            # not delivered through this channel: a stale ack
-                owner.unacked -= 1
-            elif owner[2] != via:
-                continue
-            del unacked[msg_id]
-            rec = self.page_in(rec, False)
-            if flags & wire.ACK_REQUEUE:
-                requeue.append((msg_id, rec, True, on_store))
-            else:
-                removed += self.forget(msg_id, rec, on_store)
-        if requeue:
-            self.messages.extendleft(reversed(requeue))
-        if removed and self.store_out is not None:
-            self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, removed))
+        now = time.monotonic_ns()
+        if flags & wire.ACK_REJECT:
+            self.do(self.core.reject(link.peer, ids, now, requeue=bool(flags & wire.ACK_REQUEUE)))
+        else:
+            self.do(self.core.ack(link.peer, ids))
 
-    # -- delivery -------------------------------------------------------------------------
+    # -- what the core decided ----------------------------------------------------------
+    def do(self, actions) -> None:
+        for action in actions:
+            t = type(action)
+            if t is Deliver:
+                self.deliver(action)
+            elif t is ConfirmAction:
+                self.confirms.setdefault(action.publisher, []).append(action.seq)
+            elif t is Forget:
+                self.ended(action.message)
+            elif t is GetOk:
+                self.get_ok(action)
+            elif t is GetEmpty:
+                link, channel = self.get_links[action.channel]
+                link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
+            elif t is Nack:
+                self.nacks.setdefault(action.publisher, []).append(action.seq)
+            elif t is DeadLetter:
+                self.dead_letter(action)
+                self.ended(action.message)
+            elif t is DeleteQueue:
+                control.send_msg(self.ctl, {"type": "delete_me", "queue": self.queue, "reason": action.reason})
+
+    def payload(self, msg: Message):
+        record = msg.payload
+        if type(record) is Paged:
+            record = self.pages.read(record)
+            self.paged_in += 1
+            msg.payload = record
+        return record
+
+    def deliver(self, action: Deliver) -> None:
+        msg = action.message
+        c = self.consumers[action.consumer]
+        record = self.payload(msg)
+        flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
+        out = wire.encode_deliver(flags, c.channel, msg.id, c.ctag_bytes,
+                                  memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
+        self.record_bytes = len(out)
+        c.link.put(out)
+        if action.no_ack:
+            self.ended(msg)
+
+    def get_ok(self, action: GetOk) -> None:
+        link, channel = self.get_links[action.channel]
+        msg = action.message
+        record = self.payload(msg)
+        flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
+        link.put(wire.encode_get_ok(flags, channel, msg.id, action.remaining,
+                                    memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
+        if action.no_ack:
+            self.ended(msg)
+
+    def ended(self, msg: Message) -> None:
+        """A message is gone for good: drop its journal entry, its store body, its page."""
+        if type(msg.payload) is Paged:
+            self.pages.release()
+            msg.payload = None
+        if msg.persistent and self.journal is not None:
+            self.journal_acks.append(msg.id)
+            self.unsafe.pop(msg.id, None)
+        store_id = self.store_ids.pop(msg.id, None)
+        if store_id is not None:
+            self.unwritten.pop(store_id, None)          # a store that took over need not write it at all
+            self.by_store_id.pop(store_id, None)
+            self.removes.append(store_id)         # one REMOVE record per turn (after_io)
+
+    # -- dead-lettering ------------------------------------------------------------------
+    def dead_letter(self, action: DeadLetter) -> None:
+        """Publish a copy to the dead-letter exchange with RabbitMQ's x-death headers, as a publisher would."""
+        if self.routing is None:
+            return
+        record = self.payload(action.message)
+        _, _, props_raw, body = wire.content_views(record, wire.PUBLISH_CONTENT_OFFSET)
+        values = props.read(props_raw)
+        original_expiration = values.pop("expiration", None)
+        headers = record_death(values.get("headers"), action.death(
+            int(time.time()), original_expiration.decode() if original_expiration else None),
+            drop_cc=action.routing_key is not None)
+        values["headers"] = headers
+        exchange = action.exchange.encode("utf-8", "surrogateescape")
+        keys = [k if isinstance(k, bytes) else k.encode("utf-8", "surrogateescape") for k in action.routing_keys]
+        targets: set = set()
+        try:
+            for key in keys:
+                targets.update(self.routing.route(exchange, key, headers).queues)
+        except Exception:          # noqa: BLE001 - a DLX that does not exist (any more) drops it, as RabbitMQ
+            return
+        names = [t.decode("utf-8", "surrogateescape") for t in targets]
+        keep, cycles = dead_letter_cycles(action.reason, headers, names)
+        self.dl_cycles += len(cycles)
+        if not keep:
+            return
+        flags = record[1] & wire.PUB_PERSISTENT
+        copy = wire.encode_publish(flags, 0, exchange, keys[0] if keys else b"", props.encode(values), bytes(body))
+        self.dl_pending.append((copy, [k.encode("utf-8", "surrogateescape") for k in keep]))
+
+    def send_dead_letters(self) -> None:
+        """Send what waits, in order, once every target it needs is linked and no alarm holds publishers."""
+        if self.alarms:
+            return
+        now = time.monotonic_ns()
+        while self.dl_pending:
+            record, targets = self.dl_pending[0]
+            unlinked = [t for t in targets if t not in self.dl_links]
+            if unlinked:
+                for t in unlinked:
+                    if t not in self.dl_asked:
+                        self.dl_asked.add(t)
+                        control.send_msg(self.ctl, {"type": "link_queue",
+                                                    "queue": t.decode("utf-8", "surrogateescape")})
+                return
+            self.dl_pending.popleft()
+            for t in targets:
+                link = self.dl_links.get(t)
+                if link is not None and link.link_id in self.out_links:
+                    link.put_message(record)
+                    self.credit.send(link.link_id, now)
+            self.dl_sent += 1
+
+    def on_dl_link(self, msg: dict) -> None:
+        name = msg.get("queue", "").encode("utf-8", "surrogateescape")
+        self.dl_asked.discard(name)
+        link = self.out_links.get(msg.get("out"))
+        if msg.get("type") == "queue_linked" and link is not None:
+            self.dl_links[name] = link
+        else:                                   # no such queue: copies for it are dropped
+            for i, (record, targets) in enumerate(self.dl_pending):
+                if name in targets:
+                    self.dl_pending[i] = (record, [t for t in targets if t != name])
+
+    # -- timing --------------------------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
-        if self.messages and self.consumers:
-            self.deliver_ready()
+        core = self.core
+        deadline = core.next_deadline_ns()
+        if deadline is not None and now_ns >= deadline:
+            self.do(core.expire(now_ns))
+        self.do(core.deliver(now_ns, self.room()))
+        if self.dl_pending:
+            self.send_dead_letters()
         if self.journal is not None:
             self.journal_policy(now_ns)
         if self.paging:
             self.page_out(now_ns)
-        for link, seqs in self.confirms.items():
-            link.put(wire.encode_confirm(seqs))
+        if self.removes:
+            if self.store_out is not None:
+                self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, self.removes))
+            self.removes = []
+        for peer, seqs in self.confirms.items():
+            out = self.peer_out.get(peer)
+            if out is not None:
+                out.put(wire.encode_confirm(seqs))
         self.confirms.clear()
+        for peer, seqs in self.nacks.items():
+            out = self.peer_out.get(peer)
+            if out is not None:
+                out.put(wire.encode_control({"op": "nack", "seqs": seqs}))
+        self.nacks.clear()
         self.give_back_memory(now_ns)
+
+    def room(self) -> dict:
+        """How many deliveries each consumer's reader link can take now: the ring's space and window."""
+        room = {}
+        size = self.record_bytes + DELIVERY_HEAD_BYTES
+        for link in self.reader_links.values():
+            if link.overflow:
+                room[link.link_id] = 0
+                continue
+            stats = link.ring.statistics()
+            by_space = link.ring.free_bytes() // size
+            room[link.link_id] = max(0, min(DELIVERY_WINDOW - stats.in_flight, by_space))
+            if room[link.link_id] == 0:
+                link.ring.writer_waiting = True     # its reader answers with a SPACE token once it reads
+        return room
+
+    def timeout_s(self, now_ns: int) -> float | None:
+        waits = []
+        if self.journal_first_unsynced_ns is not None:
+            waits.append((self.journal_first_unsynced_ns + SYNC_INTERVAL_MS * 1_000_000 - now_ns) / 1e9)
+        deadline = self.core.next_deadline_ns()
+        if deadline is not None:
+            waits.append((deadline - now_ns) / 1e9)
+        if self.paging:
+            waits.append(PAGE_ROUND_INTERVAL_NS / 1e9)
+        if self.dl_pending and not self.alarms:
+            waits.append(0.05)
+        st = self.core.statistics() if self.reader_links else None
+        if st is not None and st.messages_ready and st.consumers:
+            waits.append(0.01)                  # covers a SPACE token lost in a race with a full ring
+        return max(0.0, min(waits)) if waits else None
 
     def journal_policy(self, now_ns: int) -> None:
         """Group commit: fsync every SYNC_INTERVAL_MS while writes are pending, sooner when drained with
@@ -421,23 +516,35 @@ class Queue(Stage):
         if self.journal_first_unsynced_ns is None:
             return
         due = now_ns - self.journal_first_unsynced_ns >= SYNC_INTERVAL_MS * 1_000_000
-        drained = self.waiting and all(link.ring.statistics().used_bytes == 0 for link in self.in_links.values())
+        drained = self.unsafe and all(link.ring.statistics().used_bytes == 0 for link in self.in_links.values())
         if due or drained:
             self.sync_journal()
 
-    def timeout_s_journal(self, now_ns: int) -> float | None:
-        if self.journal_first_unsynced_ns is None:
-            return None
-        return max(0.0, (self.journal_first_unsynced_ns + SYNC_INTERVAL_MS * 1_000_000 - now_ns) / 1e9)
-
-    def shutdown(self) -> None:
-        if self.pages is not None:
-            self.pages.close()
-        if self.journal is not None:
-            if self.journal_acks:
-                self.journal.ack(self.journal_acks)
-            self.journal.close()
-        super().shutdown()
+    # -- paging ---------------------------------------------------------------------------
+    def page_out(self, now_ns: int) -> None:
+        """One round: page out up to PAGE_BATCH_MESSAGES records, the faster-growing kind first."""
+        if now_ns - self.last_page_round_ns < PAGE_ROUND_INTERVAL_NS:
+            return
+        self.last_page_round_ns = now_ns
+        st = self.core.statistics()
+        grew_msgs, grew_acks = st.messages_ready - self.page_sizes[0], st.messages_unacknowledged - self.page_sizes[1]
+        kinds = [self.core.ready_newest_first, self.core.unacked_messages]
+        if grew_acks > grew_msgs:
+            kinds.reverse()
+        quota = PAGE_BATCH_MESSAGES
+        for source in kinds:
+            for msg in source():
+                if quota <= 0:
+                    break
+                if type(msg.payload) is Paged or msg.payload is None:
+                    continue
+                msg.payload = self.pages.write(msg.payload)
+                quota -= 1
+        self.page_sizes = (st.messages_ready, st.messages_unacknowledged)
+        if quota < PAGE_BATCH_MESSAGES:
+            self.paged_out += PAGE_BATCH_MESSAGES - quota
+            self.trim(now_ns)
+            self.dirty = True           # paged counts changed: the next statistics push says so
 
     def give_back_memory(self, now_ns: int) -> None:
         """As a backlog drains, hand the heap pages its messages held back to the OS, step by step.
@@ -454,7 +561,8 @@ class Queue(Stage):
         ``TRIM_MIN_INTERVAL_NS``: memory follows the backlog down instead of
         waiting for it to empty.
         """
-        backlog = len(self.messages) + len(self.unacked)
+        st = self.core.statistics()
+        backlog = st.messages_ready + st.messages_unacknowledged
         if backlog > self.peak_messages:
             self.peak_messages = backlog
             return
@@ -464,109 +572,95 @@ class Queue(Stage):
             self.trim(now_ns)
             self.peak_messages = backlog
 
-    def deliver_ready(self) -> None:
-        """Round-robin over consumers with prefetch room and room in their reader's window: at most
-        DELIVERY_WINDOW deliveries in flight, and only what the ring has space for (a delivery never
-        waits in this process's memory, so big bodies are not held twice)."""
-        messages = self.messages
-        room = {}
-        space = {}
-        for c in self.consumers:
-            if c.link.link_id not in room:
-                stats = c.link.ring.statistics()
-                room[c.link.link_id] = 0 if c.link.overflow else DELIVERY_WINDOW - stats.in_flight
-                space[c.link.link_id] = c.link.ring.free_bytes() - DELIVERY_HEAD_BYTES * 2
-        consumers = self.consumers
-        n = len(consumers)
-        idle = 0
-        while messages and idle < n:
-            c = consumers[self.rr % n]
-            self.rr += 1
-            if room[c.link.link_id] <= 0 or (c.prefetch and c.unacked >= c.prefetch):
-                idle += 1
-                continue
-            head = messages[0][1]
-            need = (head.length if type(head) is Paged else len(head)) + DELIVERY_HEAD_BYTES + len(c.ctag_bytes)
-            if need > space[c.link.link_id] and room[c.link.link_id] < DELIVERY_WINDOW:
-                room[c.link.link_id] = 0          # the ring is full for now; a SPACE token brings us back
-                idle += 1
-                continue
-            idle = 0
-            room[c.link.link_id] -= 1
-            space[c.link.link_id] -= need
-            msg_id, record, redelivered, on_store = messages.popleft()
-            record = self.page_in(record, True)
-            flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if c.no_ack else 0)
-            c.link.put(wire.encode_deliver(flags, c.channel, msg_id, c.ctag_bytes,
-                                           memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
-            self.delivered += 1
-            if c.no_ack:
-                gone = self.forget(msg_id, record, on_store)
-                if gone and self.store_out is not None:
-                    self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, gone))
-            else:
-                c.unacked += 1
-                self.unacked[msg_id] = (record, c, on_store)
-        self.window_full = False
-        for c in self.consumers:
-            full = room[c.link.link_id] <= 0 and bool(messages)
-            if full:
-                self.window_full = True
-            if full or c.link.ring.writer_waiting:
-                c.link.ring.writer_waiting = full   # the reader answers a waiting writer with a SPACE token
-
-    def timeout_s(self, now_ns: int) -> float | None:
-        # SPACE tokens wake us when a reader drains a full window; this only covers the race
-        # where it drained everything before we raised the flag
-        journal = self.timeout_s_journal(now_ns) if self.journal is not None else None
-        if self.paging and len(self.messages) + len(self.unacked) > self.paged_messages + self.paged_acks:
-            journal = PAGE_ROUND_INTERVAL_NS / 1e9 if journal is None else min(journal, PAGE_ROUND_INTERVAL_NS / 1e9)
-        if self.window_full and self.messages:
-            return 0.01 if journal is None else min(0.01, journal)
-        return journal
-
-    # -- operations from channels ---------------------------------------------------------
+    # -- operations from channels -----------------------------------------------------------
     def on_op(self, link, op: dict) -> None:
         kind = op.get("op")
-        out = self.peer_out.get(link.peer)
+        channel = link.peer
+        out = self.peer_out.get(channel)
+        now = time.monotonic_ns()
+        core = self.core
         if kind == "declare":
-            if not op.get("passive") and bool(op["durable"]) != self.durable:
-                self.reply(out, {"op": "error", "code": 406, "class_id": 50, "method_id": 10,
-                                 "text": f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue "
-                                         f"'{self.queue}' in vhost '/': received "
-                                         f"'{str(bool(op['durable'])).lower()}' but current is "
-                                         f"'{str(self.durable).lower()}'"})
-                return
+            core.touch(now)
+            st = core.statistics()
             self.reply(out, {"op": "declare_ok", "queue": self.queue, "nowait": op.get("nowait", False),
-                             "message_count": len(self.messages), "consumer_count": len(self.consumers)})
+                             "message_count": st.messages_ready, "consumer_count": st.consumers})
         elif kind == "consume":
+            self.consume(channel, out, op, now)
+        elif kind == "cancel":
+            key = (channel, op["ctag"])
+            actions = core.cancel(key, now)
+            self.consumers.pop(key, None)
+            reader_link = self.reader_links.get(op["reader"])
+            if reader_link is not None and not op.get("nowait"):
+                reader_link.put(wire.encode_frames(frames.encode_reply(
+                    op["channel"], commands.Basic.CancelOk, consumer_tag=op["ctag"])))
+            self.done(out, reader_link)
+            self.do(actions)
+        elif kind == "get":
             reader_link = self.reader_links.get(op["reader"])
             if reader_link is None:
                 self.reply(out, {"op": "error", "code": 541, "text": "INTERNAL_ERROR - no delivery link"})
                 return
-            c = Consumer(op["ctag"], op["channel"], op["reader"], reader_link, op["no_ack"], op["prefetch"],
-                         via=link.peer)
-            if not op.get("nowait"):
-                reader_link.put(wire.encode_frames(frames.encode_method(
-                    c.channel, commands.Basic.ConsumeOk(consumer_tag=c.ctag))))
-            self.consumers.append(c)
+            self.get_links[channel] = (reader_link, op["channel"])
+            self.channel_reader[channel] = op["reader"]
+            self.do(core.get(channel, now, no_ack=op["no_ack"]))
             self.done(out, reader_link)
-        elif kind == "cancel":
-            self.drop_consumers(lambda c: c.ctag == op["ctag"] and c.reader == op["reader"]
-                                and c.channel == op["channel"], requeue=False)
-            reader_link = self.reader_links.get(op["reader"])
-            if reader_link is not None and not op.get("nowait"):
-                reader_link.put(wire.encode_frames(frames.encode_method(
-                    op["channel"], commands.Basic.CancelOk(consumer_tag=op["ctag"]))))
-            self.done(out, reader_link)
-        elif kind == "get":
-            self.done(out, self.basic_get(op, link.peer))
+        elif kind == "purge":
+            count, actions = core.purge(now)
+            self.do(actions)
+            self.reply(out, {"op": "purge_ok", "message_count": count, "nowait": op.get("nowait", False)})
+        elif kind == "qos_global":
+            core.set_channel_prefetch(channel, op["count"])
         elif kind == "channel_closed":
-            reader, channel = op["reader"], op["channel"]
-            self.drop_consumers(lambda c: c.reader == reader and c.channel == channel,
-                                reader=reader, channel=channel)
+            self.channel_closed(channel)
         elif kind == "recover":
-            self.requeue_owned(op["reader"], op["channel"])
+            self.do(core.recover(channel, now))
+
+    def consume(self, channel: str, out, op: dict, now: int) -> None:
+        reader_link = self.reader_links.get(op["reader"])
+        if reader_link is None:
+            self.reply(out, {"op": "error", "code": 541, "text": "INTERNAL_ERROR - no delivery link"})
+            return
+        key = (channel, op["ctag"])
+        if op.get("channel_prefetch"):
+            self.core.set_channel_prefetch(channel, op["channel_prefetch"])
+        try:
+            self.core.consume(key, channel, now, no_ack=op["no_ack"], prefetch=op["prefetch"],
+                                 priority=op.get("priority", 0), exclusive=bool(op.get("exclusive")),
+                                 transport=reader_link.link_id)
+        except QueueError as exc:
+            self.reply(out, {"op": "error", "code": exc.reply_code, "text": exc.reply_text,
+                             "class_id": BASIC_CONSUME[0], "method_id": BASIC_CONSUME[1]})
+            return
+        self.consumers[key] = ConsumerInfo(reader_link, op["channel"], op["ctag"])
+        self.channel_reader[channel] = op["reader"]
+        if not op.get("nowait"):
+            reader_link.put(wire.encode_frames(frames.encode_reply(
+                op["channel"], commands.Basic.ConsumeOk, consumer_tag=op["ctag"])))
+        self.done(out, reader_link)
+
+    def channel_closed(self, channel: str) -> None:
+        """A channel closed (or its process or connection went): its consumers go, its unacked come back."""
+        for key in [k for k in self.consumers if k[0] == channel]:
+            del self.consumers[key]
+        self.get_links.pop(channel, None)
+        self.channel_reader.pop(channel, None)
+        self.do(self.core.channel_closed(channel, time.monotonic_ns()))
+
+    def delete(self, msg: dict) -> None:
+        """queue.delete, asked by the supervisor: check if-unused/if-empty, forget everything, answer."""
+        try:
+            count, actions = self.core.delete(time.monotonic_ns(), if_unused=msg.get("if_unused", False),
+                                                 if_empty=msg.get("if_empty", False))
+        except QueueError as exc:
+            control.send_msg(self.ctl, {"type": "delete_answer", "req": msg["req"], "ok": False,
+                                        "code": exc.reply_code, "text": exc.reply_text})
+            return
+        self.do(actions)
+        self.consumers.clear()
+        if self.journal is not None:
+            self.journal_policy(time.monotonic_ns())
+        control.send_msg(self.ctl, {"type": "delete_answer", "req": msg["req"], "ok": True, "message_count": count})
 
     def done(self, out, reader_link) -> None:
         """Tell the channel its operation is answered, after the answer the reader sends is committed:
@@ -576,63 +670,29 @@ class Queue(Stage):
             reader_link.flush()
         self.reply(out, {"op": "done"})
 
-    def basic_get(self, op: dict, via: str):
-        """Answer basic.get on the reader's link; returns that link (None if the reader is gone)."""
-        reader_link = self.reader_links.get(op["reader"])
-        if reader_link is None:
-            return None
-        channel = op["channel"]
-        if not self.messages:
-            reader_link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
-            return reader_link
-        msg_id, record, redelivered, on_store = self.messages.popleft()
-        record = self.page_in(record, True)
-        flags = (wire.DLV_REDELIVERED if redelivered else 0) | (wire.DLV_NO_ACK if op["no_ack"] else 0)
-        reader_link.put(wire.encode_get_ok(flags, channel, msg_id, len(self.messages),
-                                           memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]))
-        self.delivered += 1
-        if op["no_ack"]:
-            gone = self.forget(msg_id, record, on_store)
-            if gone and self.store_out is not None:
-                self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, gone))
-        else:
-            self.unacked[msg_id] = (record, (op["reader"], channel, via), on_store)
-        return reader_link
-
-    def drop_consumers(self, match, *, requeue: bool = True, reader: str | None = None,
-                       channel: int | None = None) -> None:
-        self.consumers = [c for c in self.consumers if not match(c)]
-        if requeue and reader is not None:
-            self.requeue_owned(reader, channel)
-
-    def requeue_owned(self, reader: str, channel: int | None) -> None:
-        """Put back, in order and marked redelivered, what a reader's channel held unacked."""
-        self.requeue_where(lambda who: who[0] == reader and (channel is None or who[1] == channel))
-
-    def requeue_where(self, match) -> None:
-        """Put back, in order and marked redelivered, the unacked messages whose (reader, channel number,
-        channel process) ``match``."""
-        back = []
-        for msg_id, (rec, owner, on_store) in list(self.unacked.items()):
-            who = (owner.reader, owner.channel, owner.via) if isinstance(owner, Consumer) else owner
-            if match(who):
-                del self.unacked[msg_id]
-                if isinstance(owner, Consumer):
-                    owner.unacked -= 1
-                back.append((msg_id, self.page_in(rec, False), True, on_store))
-        if back:
-            back.sort(key=lambda m: m[0])
-            self.messages.extendleft(reversed(back))
-
     def reply(self, out, msg: dict) -> None:
         if out is not None:
             out.put(wire.encode_control(msg))
 
+    def shutdown(self) -> None:
+        if self.pages is not None:
+            self.pages.close()
+        if self.journal is not None:
+            if self.journal_acks:
+                self.journal.ack(self.journal_acks)
+            self.journal.close()
+        super().shutdown()
+
     def extra_stats(self, now_ns: int) -> dict:
-        return {"queue": self.queue, "durable": self.durable, "messages": len(self.messages),
-                "unacked": len(self.unacked), "consumers": len(self.consumers), "enqueued": self.enqueued,
-                "delivered": self.delivered, "acked": self.acked, "stored": self.stored,
-                "awaiting_confirm": len(self.waiting), "recovered": self.recovered, "paging": self.paging,
-                "paged_messages": self.paged_messages, "paged_acks": self.paged_acks, "paged_out": self.paged_out,
-                "paged_in": self.paged_in, "store_resent": self.store_resent,
-                "journal_fsyncs": self.journal_fsyncs}
+        st = self.core.statistics()
+        return {"queue": self.queue, "durable": self.durable, "messages": st.messages_ready,
+                "unacked": st.messages_unacknowledged, "message_bytes": st.message_bytes_ready,
+                "consumers": st.consumers, "enqueued": st.published + st.restored, "delivered": st.delivered,
+                "redelivered": st.redelivered, "acked": st.acked, "expired": st.expired,
+                "dead_lettered": st.dead_lettered, "dropped": st.dropped, "rejected": st.rejected,
+                "purged": st.purged, "stored": self.stored, "awaiting_confirm": st.unconfirmed,
+                "recovered": self.recovered, "paging": self.paging,
+                "paged_messages": self.pages.count if self.pages else 0,     # records in the page file, ready or unacked
+                "paged_out": self.paged_out,
+                "paged_in": self.paged_in, "store_resent": self.store_resent, "journal_fsyncs": self.journal_fsyncs,
+                "dead_letters_sent": self.dl_sent, "dead_letter_cycles": self.dl_cycles}

@@ -50,7 +50,10 @@ from pipeline import channel as _channel, queue as _queue, reader as _reader, st
 from pipeline import telemetry
 from pipeline.broker import lifecycle, names
 from pipeline.broker.ctl_server import CtlServer
-from pipeline.broker.definitions import DEFINITIONS_FILE, Definitions, Refused, not_found_queue, queue_stopped
+from pipeline.broker.args import QueueError
+from pipeline.amqp.errors import AmqpError
+from pipeline.broker.definitions import (DEFINITIONS_FILE, Definitions, QueueDef, arguments_from_json,
+                                         not_found_queue, queue_stopped, refused)
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -117,6 +120,7 @@ class Proc:
     peer: str = ""                  # for readers: the client's address
     state: str = "running"          # pipeline.broker.lifecycle.STATES
     tokens: bytearray = field(default_factory=bytearray)   # tokens its full inbox could not take yet
+    deleted: bool = False           # for queues: deleted, so its files go when it has stopped
 
 
 @dataclass
@@ -169,6 +173,8 @@ class Supervisor:
         self.running = True
         self.exit_code = EXIT_OK
         self.deaths: list[dict] = []
+        self.deletions: dict[int, tuple] = {}            # request -> (queue, channel to answer or None)
+        self.after_deletion: dict[str, list] = {}        # queue -> declares that wait until it is gone
         self.ended_names: collections.deque = collections.deque()
         self.restarts = lifecycle.RestartBook()
         self.incarnations: dict[str, int] = {}
@@ -460,14 +466,15 @@ class Supervisor:
             self.tell(reader, {"type": "channel_refused", "channel": number, "code": 541,
                                "text": "INTERNAL_ERROR - cannot start a channel process"})
             return
-        self.tell(chan, {"type": "exchanges", "table": self.defs.exchange_table()})
+        self.tell(chan, {"type": "routing", "snapshot": self.defs.routing.snapshot()})
         out = self.make_link(reader.name, name, flow=not cfg.credit.disabled)
         inp = self.make_link(name, reader.name, flow=False)
         if out is not None and inp is not None:
             self.tell(reader, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
 
-    def queue_factory(self, name: str, durable: bool, exclusive: bool, auto_delete: bool):
+    def queue_factory(self, qdef: QueueDef):
         cfg = self.cfg
+        name = qdef.name
         pname = f"queue-{name}"
         fname = names.file_name(name)
         journal_dir = os.path.join(cfg.data_dir, "queues", fname)
@@ -478,40 +485,26 @@ class Supervisor:
         store_dir = os.path.join(cfg.data_dir, "msg_store")
         page_path = os.path.join(cfg.data_dir, "paged", fname + ".pages")
         incarnation = self.incarnations[pname] = self.incarnations.get(pname, -1) + 1
+        snapshot = self.defs.routing.snapshot() if qdef.args.dead_letter_exchange is not None else None
 
         def factory(ctl, inbox, bell):
             from pipeline.queue import Queue
-            return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=durable,
-                         exclusive=exclusive, auto_delete=auto_delete, store_spec=cfg.store_credit,
-                         delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max, run_id=self.run_id,
-                         journal_dir=journal_dir, store_dir=store_dir, page_path=page_path,
-                         incarnation=incarnation)
+            return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=qdef.durable,
+                         exclusive=qdef.exclusive, auto_delete=qdef.auto_delete, args=qdef.args,
+                         store_spec=cfg.store_credit, delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max,
+                         run_id=self.run_id, journal_dir=journal_dir, store_dir=store_dir, page_path=page_path,
+                         incarnation=incarnation, routing=snapshot)
         return factory
 
-    def ensure_queue(self, name: str, durable: bool, exclusive: bool, auto_delete: bool) -> Refused | None:
-        if name in self.defs.queues:
-            return None
-        made = self.defs.add_queue(name, durable=durable, exclusive=exclusive, auto_delete=auto_delete)
-        if isinstance(made, Refused):
-            return made
-        proc = self.start_queue(name, durable, exclusive, auto_delete)
-        if proc is None:
-            del self.defs.queues[name]
-            return Refused(541, f"INTERNAL_ERROR - cannot start a process for queue '{name}'")
-        if durable:
-            self.save_definitions()
-        for p in self.procs.values():
-            if p.kind == "channel":
-                self.tell(p, {"type": "queue_created", "queue": name})
-        return None
-
-    def start_queue(self, name: str, durable: bool, exclusive: bool, auto_delete: bool) -> Proc | None:
-        pname = f"queue-{name}"
-        proc = self.spawn(pname, "queue", self.queue_factory(name, durable, exclusive, auto_delete))
+    def start_queue(self, qdef: QueueDef) -> Proc | None:
+        proc = self.spawn(f"queue-{qdef.name}", "queue", self.queue_factory(qdef))
         if proc is None:
             return None
         if self.paging:
             self.tell(proc, {"type": "page", "on": True})
+        alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
+        if alarms:
+            self.tell(proc, {"type": "alarms", "set": alarms})
         self.link_queue_store(proc)
         return proc
 
@@ -599,43 +592,172 @@ class Supervisor:
             self.link_channel_queue(proc, msg["queue"])
         elif kind == "declare_queue":
             self.declare_queue(proc, msg)
-        elif kind in ("declare_exchange", "bind", "unbind"):
-            self.tell(proc, {"type": "reply", **self.exchange_op(kind, msg)})
+        elif kind == "exchange":
+            self.tell(proc, {"type": "reply", **self.exchange_op({**msg, "owner": proc.owner})})
+        elif kind == "delete_queue":
+            self.delete_queue(proc, msg)
+        elif kind == "delete_answer":
+            self.on_delete_answer(msg)
+        elif kind == "delete_me":           # auto-delete or x-expires: the queue asks to go
+            self.log("info", [f"queue '{msg['queue']}' in vhost '/' is deleted ({msg.get('reason')})"])
+            self.delete_queue(None, {"queue": msg["queue"]})
         elif kind == "alarm":
             self.on_alarm(msg)
         elif kind == "reply":
             self.watchdog_reply(msg)
 
     def declare_queue(self, channel: Proc, msg: dict) -> None:
-        queue = msg["queue"]
-        if queue not in self.defs.queues and not msg.get("passive"):
-            refused = self.ensure_queue(queue, bool(msg.get("durable")), bool(msg.get("exclusive")),
-                                        bool(msg.get("auto_delete")))
-            if refused is not None:
-                self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code, "text": refused.text})
+        name = msg["queue"]
+        qdef = self.defs.queues.get(name)
+        if qdef is not None and qdef.deleting:
+            self.after_deletion.setdefault(name, []).append((channel.name, msg))   # answered once it is gone
+            return
+        try:
+            qdef, made = self.defs.declare_queue(
+                name, durable=bool(msg.get("durable")), exclusive=bool(msg.get("exclusive")),
+                auto_delete=bool(msg.get("auto_delete")), arguments=arguments_from_json(msg.get("arguments")),
+                owner=channel.owner, passive=bool(msg.get("passive")))
+        except (AmqpError, QueueError) as exc:
+            self.tell(channel, {"type": "declare_refused", "queue": name, **vars(refused(exc))})
+            return
+        if made:
+            if self.start_queue(qdef) is None:
+                self.defs.remove_queue(name)
+                self.defs.routing.take_changes()
+                self.tell(channel, {"type": "declare_refused", "queue": name, "code": 541, "hard": True,
+                                    "text": f"INTERNAL_ERROR - cannot start a process for queue '{name}'"})
                 return
-        self.link_channel_queue(channel, queue)
+            self.broadcast_routing()
+            if qdef.durable:
+                self.save_definitions()
+        self.link_channel_queue(channel, name)
 
-    # -- exchanges and bindings (global, so kept here; every channel gets a copy) -----------------
-    def exchange_op(self, kind: str, msg: dict) -> dict:
-        name = msg["exchange"]
-        if kind == "declare_exchange":
-            made = self.defs.declare_exchange(name, msg["kind"], durable=bool(msg.get("durable")),
-                                              passive=bool(msg.get("passive")))
-            if isinstance(made, Refused):
-                return {"ok": False, "code": made.code, "text": made.text}
-            if made:
-                self.broadcast_exchange(name)
-                if msg.get("durable"):
-                    self.save_definitions()
-            return {"ok": True}
-        ex = self.defs.bind(name, msg["queue"], msg.get("routing_key", ""), unbind=kind == "unbind")
-        if isinstance(ex, Refused):
-            return {"ok": False, "code": ex.code, "text": ex.text}
-        self.broadcast_exchange(name)
-        if ex.durable:
+    def exchange_op(self, msg: dict) -> dict:
+        """exchange.declare/delete/bind/unbind and queue.bind/unbind, on the routing table."""
+        op = msg["op"]
+        r = self.defs.routing
+        args = arguments_from_json(msg.get("arguments"))
+        try:
+            if op == "declare":
+                r.declare_exchange(msg["exchange"], msg["kind"], passive=bool(msg.get("passive")),
+                                   durable=bool(msg.get("durable")), auto_delete=bool(msg.get("auto_delete")),
+                                   internal=bool(msg.get("internal")), arguments=args)
+            elif op == "delete":
+                r.delete_exchange(msg["exchange"], if_unused=bool(msg.get("if_unused")))
+            elif op in ("bind", "unbind"):
+                self.check_owner(msg["queue"], msg.get("owner"), (50, 20) if op == "bind" else (50, 50))
+                if op == "bind":
+                    r.bind_queue(msg["exchange"], msg["queue"], msg.get("routing_key", ""), args)
+                else:
+                    r.unbind_queue(msg["exchange"], msg["queue"], msg.get("routing_key", ""), args)
+            elif op == "bind_exchange":
+                r.bind_exchange(msg["source"], msg["destination"], msg.get("routing_key", ""), args)
+            elif op == "unbind_exchange":
+                r.unbind_exchange(msg["source"], msg["destination"], msg.get("routing_key", ""), args)
+            else:
+                return {"ok": False, "code": 540, "hard": True, "text": f"NOT_IMPLEMENTED - {op}"}
+        except (AmqpError, QueueError) as exc:
+            return {"ok": False, **vars(refused(exc))}
+        if self.broadcast_routing():
             self.save_definitions()
         return {"ok": True}
+
+    def check_owner(self, queue: str, owner: str | None, method: tuple[int, int]) -> None:
+        """An exclusive queue takes bindings only from its own connection (405, as RabbitMQ)."""
+        qdef = self.defs.queues.get(queue)
+        if qdef is not None and qdef.owner is not None and qdef.owner != owner:
+            from pipeline.amqp.errors import ChannelLevelError
+            raise ChannelLevelError(405, f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue "
+                                         f"'{queue}' in vhost '/'. It could be originally declared on another "
+                                         "connection or the exclusive property value does not match that of "
+                                         "the original declaration.", *method)
+
+    def broadcast_routing(self) -> bool:
+        """Send the routing table's changes to every channel and queue; True if there were any."""
+        changes = self.defs.routing.take_changes()
+        if not changes:
+            return False
+        for p in self.procs.values():
+            if p.kind in ("channel", "queue") and p.state == "running":
+                self.tell(p, {"type": "routing", "changes": changes})
+        return True
+
+    # -- deleting queues ---------------------------------------------------------------------------
+    def delete_queue(self, requester: Proc | None, msg: dict) -> None:
+        """queue.delete from a channel (or the queue's own wish, or its owner's end): the queue process
+        checks if-unused/if-empty and answers; ``queue_deleted`` finishes the job."""
+        name = msg["queue"]
+        qdef = self.defs.queues.get(name)
+        reply_to = requester.name if requester is not None else None
+        if qdef is None:
+            if reply_to:
+                self.tell(requester, {"type": "reply", "ok": True, "message_count": 0})
+            return
+        if requester is not None and requester.kind == "channel" and qdef.owner not in (None, requester.owner):
+            try:
+                self.check_owner(name, requester.owner, (50, 40))
+            except AmqpError as exc:
+                self.tell(requester, {"type": "reply", "ok": False, **vars(refused(exc))})
+                return
+        proc = self.procs.get(f"queue-{name}")
+        if proc is None or proc.state != "running":
+            self.queue_deleted(name, 0)
+            if reply_to:
+                self.tell(requester, {"type": "reply", "ok": True, "message_count": 0})
+            return
+        qdef.deleting = True
+        req = self.next_request = getattr(self, "next_request", 0) + 1
+        self.deletions[req] = (name, reply_to)
+        self.tell(proc, {"type": "delete", "req": req, "if_unused": bool(msg.get("if_unused")),
+                         "if_empty": bool(msg.get("if_empty"))})
+
+    def on_delete_answer(self, msg: dict) -> None:
+        name, reply_to = self.deletions.pop(msg["req"], (None, None))
+        if name is None:
+            return
+        requester = self.procs.get(reply_to) if reply_to else None
+        if not msg.get("ok"):
+            self.defs.queues[name].deleting = False
+            self.replay_declares(name)
+            if requester is not None:
+                self.tell(requester, {"type": "reply", **{k: v for k, v in msg.items() if k not in ("type", "req")}})
+            return
+        self.queue_deleted(name, msg.get("message_count", 0))
+        if requester is not None:
+            self.tell(requester, {"type": "reply", "ok": True, "message_count": msg.get("message_count", 0)})
+
+    def queue_deleted(self, name: str, messages: int) -> None:
+        """The queue is gone: out of the definitions and the routing table (every copy told), its
+        process stopped (its channels and consumers hear it by their links), its files removed."""
+        qdef = self.defs.queues.get(name)
+        self.defs.remove_queue(name)
+        self.broadcast_routing()
+        if qdef is not None and qdef.durable:
+            self.save_definitions()
+        proc = self.procs.get(f"queue-{name}")
+        if proc is not None:
+            proc.deleted = True
+            self.stop_proc(proc)
+        else:
+            self.remove_queue_files(name)
+        self.log("info", [f"Deleted queue '{name}' in vhost '/' ({messages} messages)"])
+        self.telemetry.event("queue_deleted", f"queue-{name}", {"messages": messages})
+        self.replay_declares(name)
+
+    def replay_declares(self, name: str) -> None:
+        for chan_name, msg in self.after_deletion.pop(name, []):
+            chan = self.procs.get(chan_name)
+            if chan is not None:
+                self.declare_queue(chan, msg)
+
+    def remove_queue_files(self, name: str) -> None:
+        import shutil
+        fname = names.file_name(name)
+        shutil.rmtree(os.path.join(self.cfg.data_dir, "queues", fname), ignore_errors=True)
+        try:
+            os.unlink(os.path.join(self.cfg.data_dir, "paged", fname + ".pages"))
+        except FileNotFoundError:
+            pass
 
     def save_definitions(self) -> None:
         try:
@@ -650,18 +772,12 @@ class Supervisor:
         if problems:
             self.log("warning", problems)
         for name in queues:
-            if self.start_queue(name, durable=True, exclusive=False, auto_delete=False) is None:
+            if self.start_queue(self.defs.queues[name]) is None:
                 self.defs.queues[name].down = True
         if found:
-            durable_exchanges = sum(1 for ex in self.defs.exchanges.values() if ex.durable)
+            durable_exchanges = sum(1 for ex in self.defs.routing.exchanges() if ex.durable)
             self.log("info", [f"recovered {len(queues)} durable queues and {durable_exchanges} durable exchanges "
                               f"from {path}"])
-
-    def broadcast_exchange(self, name: str) -> None:
-        table = self.defs.exchange_table([name])
-        for p in self.procs.values():
-            if p.kind == "channel":
-                self.tell(p, {"type": "exchanges", "table": table})
 
     # -- paging -------------------------------------------------------------------------
     def check_paging(self, st: dict) -> None:
@@ -692,9 +808,12 @@ class Supervisor:
         self.telemetry.event("alarm_" + state, source, msg)
         kind = TokenKind.ALARM_SET if state == "set" else TokenKind.ALARM_CLEAR
         value = tokens.ALARM_MEMORY if source == "memory" else tokens.ALARM_DISK
+        alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
         for p in self.procs.values():
             if p.kind == "reader":
                 self.token(p, kind, 0, value)
+            elif p.kind == "queue":          # dead-lettering is held while an alarm holds publishers
+                self.tell(p, {"type": "alarms", "set": alarms})
 
     def watchdog_reply(self, msg: dict) -> None:
         """The watchdog's answer to a ctl request; it goes out once every reader holds its alarm tokens."""
@@ -749,7 +868,8 @@ class Supervisor:
         links = {}
         for st in self.stats.values():
             links.update(st.get("links", {}))
-        queues = {name: {"proc": f"queue-{name}", "durable": q.durable, "down": q.down}
+        queues = {name: {"proc": f"queue-{name}", "durable": q.durable, "down": q.down, "exclusive": q.exclusive,
+                         "auto_delete": q.auto_delete, "arguments": {k: str(v) for k, v in q.arguments.items()}}
                   for name, q in self.defs.queues.items()}
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
                 "now_ns": now, "processes": processes, "links": links, "alarms": self.alarms,
@@ -835,9 +955,23 @@ class Supervisor:
     def after_forget(self, proc: Proc, verdict) -> None:
         if proc.kind == "reader":
             self.stop_channels_of(proc)
+            self.delete_exclusive_queues(proc)
+        elif proc.kind == "queue" and proc.deleted:
+            self.remove_queue_files(proc.name[len("queue-"):])
+
+    def delete_exclusive_queues(self, reader: Proc) -> None:
+        """An exclusive queue goes with its connection (RabbitMQ deletes it when its owner closes)."""
+        for name in [n for n, q in self.defs.queues.items() if q.owner == reader.name and not q.deleting]:
+            self.delete_queue(None, {"queue": name})
+
+    def finish_pending_deletion(self, queue: str) -> None:
+        for req, (name, reply_to) in list(self.deletions.items()):
+            if name == queue:
+                self.on_delete_answer({"req": req, "ok": True, "message_count": 0})
 
     def after_close_connection(self, proc: Proc, verdict) -> None:
         channels = self.stop_channels_of(proc)
+        self.delete_exclusive_queues(proc)
         self.log("error", [f"closing AMQP connection {proc.name} ({proc.peer}): its reader process died; "
                            f"{channels} channel(s) closed, their consumers' unacked messages requeued"])
 
@@ -855,7 +989,10 @@ class Supervisor:
             queue = proc.name[len("queue-"):]
             qdef = self.defs.queues.get(queue)
             self.log("warning", [f"Restarting crashed queue '{queue}' in vhost '/'."])
-            new = self.start_queue(queue, qdef.durable, qdef.exclusive, qdef.auto_delete) if qdef else None
+            new = self.start_queue(qdef) if qdef is not None and not qdef.deleting else None
+            if qdef is not None and qdef.deleting:      # it died while being deleted: finish that
+                self.finish_pending_deletion(queue)
+                return
         elif proc.kind == "store":
             self.log("warning", ["Restarting crashed message store msg_store_persistent for vhost '/': "
                                  "it recovers its segments and the queues re-send what it had not written"])

@@ -128,6 +128,14 @@ def content_route(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, byt
     return bytes(rec[offset + 1:offset + 1 + exlen]), bytes(rec[o + 1:o + 1 + rec[o]])
 
 
+def content_props(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> memoryview:
+    """The properties part of a record's content, as a view (no copy)."""
+    o = offset + 1 + rec[offset]
+    o += 1 + rec[o]
+    (plen,) = _U32.unpack_from(rec, o)
+    return memoryview(rec)[o + 4:o + 4 + plen]
+
+
 def content_body_len(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
     o = offset + 1 + rec[offset]
     o += 1 + rec[o]

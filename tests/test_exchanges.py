@@ -7,7 +7,15 @@ import time
 import pika
 import pytest
 
-from pipeline.channel import topic_matches
+from pipeline.broker.routing import RoutingTable
+
+
+def topic_matches(pattern: bytes, key: bytes) -> bool:
+    table = RoutingTable()
+    table.declare_exchange(b"t", "topic")
+    table.add_queue(b"q", durable=False)
+    table.bind_queue(b"t", b"q", pattern)
+    return table.route(b"t", key).queues == (b"q",)
 
 
 @pytest.mark.parametrize("pattern, key, hit", [

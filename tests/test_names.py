@@ -9,7 +9,7 @@ import pika
 import pytest
 
 from pipeline.broker import names
-from pipeline.broker.definitions import Definitions, Refused
+from pipeline.broker.definitions import Definitions
 
 NAMES = ["café", "orders!", "q%1", ".", "..", "a/b", "with space", "x" * 255, "é" * 127, "ünï.cødé.#"]
 
@@ -41,25 +41,34 @@ def test_a_definitions_file_that_does_not_parse_is_moved_aside(tmp_path):
 
 def test_bad_entries_are_skipped_and_the_rest_kept(tmp_path):
     (tmp_path / "definitions.json").write_text(json.dumps({
-        "queues": ["good", 7, "x" * 300, "."],
+        "queues": ["good", 7, "x" * 300, ".", "bad-args"],
+        "queue_props": {"bad-args": {"arguments": {"x-max-length": -1}}},
         "exchanges": {"ex": {"type": "fanout", "bindings": [["good", ""], ["missing", ""], "junk"]},
                       "bad": {"type": "nonsense"}, "worse": "junk"}}))
     defs = Definitions()
     queues, problems = defs.load(str(tmp_path))
     assert queues == ["good", "."]
-    assert defs.exchanges["ex"].bindings == [("good", "")]
-    assert "bad" not in defs.exchanges and "worse" not in defs.exchanges
-    assert len(problems) == 6, problems
+    assert [(b.destination, b.routing_key) for b in defs.routing.bindings() if b.source == b"ex"] == [(b"good", b"")]
+    assert defs.routing.lookup("bad") is None and defs.routing.lookup("worse") is None
+    assert len(problems) == 7, problems
 
 
-def test_declaring_an_exchange_refuses_as_rabbitmq_does():
+def test_queue_declares_are_checked_as_rabbitmq_checks_them():
     defs = Definitions()
-    assert defs.declare_exchange("amq.x", "direct", durable=False, passive=False) == Refused(
-        403, "ACCESS_REFUSED - exchange name 'amq.x' contains reserved prefix 'amq.*'")
-    assert defs.declare_exchange("e", "nope", durable=False, passive=False).code == 503
-    assert defs.declare_exchange("e", "topic", durable=False, passive=False) is True
-    assert defs.declare_exchange("e", "fanout", durable=False, passive=False).code == 406
-    assert defs.declare_exchange("f", "topic", durable=False, passive=True).code == 404
+    declare = dict(durable=True, exclusive=False, auto_delete=False, arguments={}, owner="reader-1", passive=False)
+    with pytest.raises(Exception, match="ACCESS_REFUSED - queue name 'amq.x' contains reserved prefix 'amq.\\*'"):
+        defs.declare_queue("amq.x", **declare)
+    with pytest.raises(Exception, match="NOT_FOUND - no queue 'nope' in vhost '/'"):
+        defs.declare_queue("nope", **{**declare, "passive": True})
+    q, made = defs.declare_queue("q", **{**declare, "arguments": {"x-max-length": 2}})
+    assert made and q.args.max_length == 2
+    assert defs.declare_queue("q", **{**declare, "arguments": {"x-max-length": 2}}) == (q, False)
+    with pytest.raises(Exception, match="inequivalent arg 'x-max-length' for queue 'q'"):
+        defs.declare_queue("q", **{**declare, "arguments": {"x-max-length": 3}})
+    mine, _ = defs.declare_queue("mine", **{**declare, "exclusive": True})
+    assert mine.owner == "reader-1" and not mine.durable
+    with pytest.raises(Exception, match="RESOURCE_LOCKED - cannot obtain exclusive access to locked queue 'mine'"):
+        defs.declare_queue("mine", **{**declare, "exclusive": True, "owner": "reader-2"})
 
 
 @pytest.mark.processes

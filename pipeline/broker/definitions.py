@@ -1,16 +1,20 @@
-"""Exchanges, queues and bindings: the broker's one table of them, and the durable part on disk (pure but for the file).
+"""The broker's one vhost: its queues and its routing table, and the durable part on disk.
 
-The supervisor owns the table; every channel gets a copy of the exchanges
-(``exchange_table``) so it can route without asking. A request that breaks a
-rule returns ``Refused`` with RabbitMQ's reply code and text; nothing changes.
+The supervisor owns one :class:`Definitions`. Queues are declared here with
+RabbitMQ's checks, in its order (``rabbit_channel``'s queue.declare): a
+reserved ``amq.`` name (403), the exclusive owner (405), equivalence of the
+flags and arguments (406, ``pipeline.broker.args``), a passive declare of a
+missing queue (404), the arguments of a new one (406). Exchanges and
+bindings are the :class:`~pipeline.broker.routing.RoutingTable`'s; every
+channel and every queue that dead-letters routes with a copy of it, kept
+current with ``routing.take_changes()``.
 
-Durable queues, exchanges and their bindings are kept in
-``DATA_DIR/definitions.json`` (written to a temporary file, fsynced, renamed)
-so a restart on the same data directory brings them back. Reading it never
-keeps the broker from starting: a file that does not parse is moved aside as
-``definitions.json.bad-<time>`` and an entry that is not valid (a name
-RabbitMQ would not accept, an unknown exchange type, a malformed binding) is
-skipped; both are reported as lines for the log.
+Durable queues (with their arguments), durable exchanges and their bindings
+are kept in ``DATA_DIR/definitions.json`` (written to a temporary file,
+fsynced, renamed) so a restart on the same data directory brings them back.
+Reading it never keeps the broker from starting: a file that does not parse
+is moved aside as ``definitions.json.bad-<time>`` and an entry that is not
+valid is skipped; both are reported as lines for the log.
 """
 
 from __future__ import annotations
@@ -20,18 +24,21 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from pipeline.amqp.errors import ACCESS_REFUSED, NOT_FOUND, ChannelLevelError
+from pipeline.broker.args import QueueArgs, QueueSpec, check_redeclare, parse_queue_args
 from pipeline.broker.names import BadName, check
+from pipeline.broker.routing import RoutingTable, from_json_value, to_json_value
 
-EXCHANGE_TYPES = ("direct", "fanout", "topic")
-PREDECLARED_EXCHANGES = {"amq.direct": "direct", "amq.fanout": "fanout", "amq.topic": "topic"}
 DEFINITIONS_FILE = "definitions.json"
+QUEUE_DECLARE = (50, 10)
 
 
 @dataclass(frozen=True)
 class Refused:
-    """A request the broker refuses: the channel is closed with ``code`` and ``text``."""
+    """A request the broker refuses: the channel (or, if ``hard``, the connection) is closed."""
     code: int
     text: str
+    hard: bool = False
 
 
 @dataclass
@@ -40,99 +47,95 @@ class QueueDef:
     durable: bool
     exclusive: bool = False
     auto_delete: bool = False
+    arguments: dict = field(default_factory=dict)
+    args: QueueArgs = field(default_factory=QueueArgs)
+    owner: str | None = None        # the reader of the connection an exclusive queue belongs to
     down: bool = False              # its process crashed too often and was given up
+    deleting: bool = False          # asked to go; declares wait until it has
+
+    def spec(self) -> QueueSpec:
+        return QueueSpec(self.name, durable=self.durable, auto_delete=self.auto_delete, owner=self.owner,
+                         arguments=self.arguments)
 
 
-@dataclass
-class ExchangeDef:
-    name: str
-    type: str
-    durable: bool
-    bindings: list[tuple[str, str]] = field(default_factory=list)     # (queue, routing key)
-
-
-def not_found_exchange(name: str) -> Refused:
-    return Refused(404, f"NOT_FOUND - no exchange '{name}' in vhost '/'")
+def resource(name: str) -> str:
+    return f"queue '{name}' in vhost '/'"
 
 
 def not_found_queue(name: str) -> Refused:
-    return Refused(404, f"NOT_FOUND - no queue '{name}' in vhost '/'")
+    return Refused(404, f"NOT_FOUND - no {resource(name)}")
 
 
 def queue_stopped(name: str) -> Refused:
-    return Refused(404, f"NOT_FOUND - queue '{name}' in vhost '/' process is stopped by supervisor")
+    return Refused(404, f"NOT_FOUND - {resource(name)} process is stopped by supervisor")
+
+
+def refused(exc: Exception) -> Refused:
+    """The Refused for what a core raised: an ``AmqpError`` (routing; ``hard`` says which kind) or a
+    ``QueueError`` (queue arguments; always a channel error)."""
+    return Refused(exc.reply_code, exc.reply_text, bool(getattr(exc, "hard", False)))
+
+
+def arguments_from_json(data) -> dict:
+    return {str(k): from_json_value(v) for k, v in (data or {}).items()}
+
+
+def arguments_to_json(arguments) -> dict:
+    return {str(k): to_json_value(v) for k, v in (arguments or {}).items()}
 
 
 class Definitions:
     def __init__(self) -> None:
+        self.routing = RoutingTable(log_changes=True)
         self.queues: dict[str, QueueDef] = {}
-        self.exchanges: dict[str, ExchangeDef] = {
-            name: ExchangeDef(name, kind, True) for name, kind in PREDECLARED_EXCHANGES.items()}
 
-    # -- exchanges and bindings ------------------------------------------------------------
-    def declare_exchange(self, name: str, kind: str, *, durable: bool, passive: bool) -> Refused | bool:
-        """Declare (or check) an exchange; True when a new one was made."""
-        if name in ("", "amq.default"):
-            return False
-        ex = self.exchanges.get(name)
-        if ex is None:
-            if passive:
-                return not_found_exchange(name)
-            if kind not in EXCHANGE_TYPES:
-                return Refused(503, f"COMMAND_INVALID - unknown exchange type '{kind}'")
-            if name.startswith("amq."):
-                return Refused(403, f"ACCESS_REFUSED - exchange name '{name}' contains reserved prefix 'amq.*'")
-            try:
-                check(name)
-            except BadName as exc:
-                return Refused(406, f"PRECONDITION_FAILED - {exc}")
-            self.exchanges[name] = ExchangeDef(name, kind, durable)
-            return True
-        if not passive and ex.type != kind:
-            return Refused(406, f"PRECONDITION_FAILED - inequivalent arg 'type' for exchange '{name}' in vhost "
-                                f"'/': received '{kind}' but current is '{ex.type}'")
-        return False
-
-    def bind(self, exchange: str, queue: str, key: str, *, unbind: bool = False) -> Refused | ExchangeDef:
-        """Add (or remove) a binding; the exchange it changed."""
-        if exchange == "":
-            return Refused(403, "ACCESS_REFUSED - operation not permitted on the default exchange")
-        ex = self.exchanges.get(exchange)
-        if ex is None:
-            return not_found_exchange(exchange)
-        if queue not in self.queues:
-            return not_found_queue(queue)
-        binding = (queue, key)
-        if not unbind and binding not in ex.bindings:
-            ex.bindings.append(binding)
-        elif unbind and binding in ex.bindings:
-            ex.bindings.remove(binding)
-        return ex
-
-    def exchange_table(self, names=None) -> dict:
-        """What channels route with: name -> {type, bindings}, for ``names`` (all when None)."""
-        return {name: {"type": ex.type, "bindings": [list(b) for b in ex.bindings]}
-                for name, ex in self.exchanges.items() if names is None or name in names}
-
-    # -- queues ------------------------------------------------------------------------------
-    def add_queue(self, name: str, *, durable: bool, exclusive: bool = False,
-                  auto_delete: bool = False) -> Refused | QueueDef:
+    # -- queues ----------------------------------------------------------------------------------
+    def declare_queue(self, name: str, *, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict,
+                      owner: str, passive: bool) -> tuple[QueueDef | None, bool]:
+        """(the queue, made now?) for a queue.declare from the connection whose reader is ``owner``.
+        Raises what the client is told (``QueueError`` from args, ``ChannelLevelError``)."""
+        q = self.queues.get(name)
+        if passive:
+            if q is None:
+                raise ChannelLevelError(NOT_FOUND, f"NOT_FOUND - no {resource(name)}", *QUEUE_DECLARE)
+            if q.owner is not None and q.owner != owner:
+                check_redeclare(q.spec(), QueueSpec(name, q.durable, q.auto_delete, owner, q.arguments))
+            return q, False
+        if name.startswith("amq."):
+            raise ChannelLevelError(ACCESS_REFUSED, f"ACCESS_REFUSED - queue name '{name}' contains reserved "
+                                                    "prefix 'amq.*'", *QUEUE_DECLARE)
+        durable = durable and not exclusive          # as RabbitMQ stores it
+        wanted = QueueSpec(name, durable=durable, auto_delete=auto_delete, owner=owner if exclusive else None,
+                           arguments=arguments)
+        if q is not None:
+            check_redeclare(q.spec(), wanted)
+            return q, False
         try:
             check(name)
         except BadName as exc:
-            return Refused(406, f"PRECONDITION_FAILED - {exc}")
-        q = self.queues.get(name)
-        if q is None:
-            q = self.queues[name] = QueueDef(name, durable, exclusive, auto_delete)
-        return q
+            raise ChannelLevelError(406, f"PRECONDITION_FAILED - {exc}", *QUEUE_DECLARE) from None
+        args = parse_queue_args(name, arguments)
+        q = QueueDef(name, durable, exclusive, auto_delete, dict(arguments), args, owner if exclusive else None)
+        self.queues[name] = q
+        self.routing.add_queue(name, durable=durable)
+        return q, True
 
-    # -- the durable part on disk -----------------------------------------------------------------
+    def remove_queue(self, name: str) -> None:
+        """The queue is gone: its bindings go, and exchanges that auto-delete with them."""
+        self.queues.pop(name, None)
+        self.routing.remove_queue(name)
+
+    # -- the durable part on disk ---------------------------------------------------------------------
     def durable(self) -> dict:
-        durable_queues = sorted(name for name, q in self.queues.items() if q.durable)
-        kept = set(durable_queues)
-        exchanges = {name: {"type": ex.type, "bindings": [list(b) for b in ex.bindings if b[0] in kept]}
-                     for name, ex in self.exchanges.items() if ex.durable}
-        return {"queues": durable_queues, "exchanges": exchanges}
+        data = self.routing.durable()
+        props = {}
+        for name in data["queues"]:
+            q = self.queues.get(name)
+            if q is not None and (q.arguments or q.auto_delete):
+                props[name] = {"arguments": arguments_to_json(q.arguments), "auto_delete": q.auto_delete}
+        if props:
+            data["queue_props"] = props
+        return data
 
     def save(self, data_dir: str) -> None:
         path = os.path.join(data_dir, DEFINITIONS_FILE)
@@ -146,7 +149,6 @@ class Definitions:
     def load(self, data_dir: str) -> tuple[list[str], list[str]]:
         """Read the durable definitions; returns (the durable queues to start, log lines about what was wrong)."""
         path = os.path.join(data_dir, DEFINITIONS_FILE)
-        problems: list[str] = []
         try:
             with open(path, encoding="utf-8") as f:
                 defs = json.load(f)
@@ -162,47 +164,26 @@ class Definitions:
                 aside = "(could not be moved aside)"
             return [], [f"definitions file {path} could not be read ({exc}); moved to {aside}, starting "
                         "with no durable definitions"]
+        problems: list[str] = []
+        props = defs.get("queue_props") if isinstance(defs.get("queue_props"), dict) else {}
         queues = []
-        for name in _list(defs.get("queues"), "queues", problems):
+        for name in defs.get("queues") or [] if isinstance(defs.get("queues") or [], list) else []:
             if not isinstance(name, str):
                 problems.append(f"skipped queue entry {name!r}: not a name")
                 continue
-            made = self.add_queue(name, durable=True)
-            if isinstance(made, Refused):
-                problems.append(f"skipped queue {name!r}: {made.text}")
+            prop = props.get(name) if isinstance(props.get(name), dict) else {}
+            try:
+                check(name)
+                arguments = arguments_from_json(prop.get("arguments"))
+                args = parse_queue_args(name, arguments)
+            except Exception as exc:       # noqa: BLE001 - any bad entry is skipped, never fatal
+                problems.append(f"skipped queue {name!r}: {exc}")
                 continue
+            self.queues[name] = QueueDef(name, True, False, bool(prop.get("auto_delete")), arguments, args)
             queues.append(name)
-        exchanges = defs.get("exchanges")
-        if not isinstance(exchanges, dict):
-            if exchanges is not None:
-                problems.append(f"skipped the exchanges: {type(exchanges).__name__}, not an object")
-            exchanges = {}
-        for name, ex in exchanges.items():
-            if not isinstance(ex, dict) or ex.get("type") not in EXCHANGE_TYPES:
-                problems.append(f"skipped exchange {name!r}: no valid type")
-                continue
-            mine = self.exchanges.get(name)
-            if mine is None:
-                try:
-                    check(name)
-                except BadName as exc:
-                    problems.append(f"skipped exchange {name!r}: {exc}")
-                    continue
-                mine = self.exchanges[name] = ExchangeDef(name, ex["type"], True)
-            for b in _list(ex.get("bindings"), f"bindings of exchange {name!r}", problems):
-                if (not isinstance(b, list) or len(b) != 2 or not all(isinstance(x, str) for x in b)
-                        or b[0] not in self.queues):
-                    problems.append(f"skipped binding {b!r} of exchange {name!r}")
-                    continue
-                if tuple(b) not in mine.bindings:
-                    mine.bindings.append(tuple(b))
+        if not isinstance(defs.get("queues", []), list):
+            problems.append(f"skipped the queues: {type(defs.get('queues')).__name__}, not a list")
+        routing = {"queues": queues, "exchanges": defs.get("exchanges") or {}}
+        problems += self.routing.load_durable(routing)
+        self.routing.take_changes()              # a fresh start: channels get the snapshot
         return queues, problems
-
-
-def _list(value, what: str, problems: list[str]) -> list:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        problems.append(f"skipped the {what}: {type(value).__name__}, not a list")
-        return []
-    return value
