@@ -26,6 +26,7 @@ Pipelined methods are therefore answered in the order they were sent.
 
 from __future__ import annotations
 
+import base64
 import collections
 import os
 import time
@@ -48,6 +49,8 @@ HARD_ERROR_CODES = frozenset((320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 
 QUEUE_DECLARE, QUEUE_BIND, QUEUE_PURGE, QUEUE_DELETE, QUEUE_UNBIND = (50, 10), (50, 20), (50, 30), (50, 40), (50, 50)
 EXCHANGE_DECLARE, EXCHANGE_DELETE, EXCHANGE_BIND, EXCHANGE_UNBIND = (40, 10), (40, 20), (40, 30), (40, 40)
 BASIC_CONSUME, BASIC_CANCEL, BASIC_GET = (60, 20), (60, 30), (60, 70)
+REPLY_TO = "amq.rabbitmq.reply-to"
+REPLY_TO_BIT_HIGH = props.REPLY_TO_BIT >> 8      # the reply_to flag, in the first byte of the property flags
 
 
 class ChannelError(Exception):
@@ -109,6 +112,7 @@ class Channel(Stage):
         self.returned = 0
         self.out_frames: list[bytes] = []
         self.closing = False
+        self.reply_to: bytes | None = None        # this channel's direct reply-to queue, once it consumes one
 
     # -- wiring ------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -263,6 +267,9 @@ class Channel(Stage):
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
+        props_raw = wire.content_props(record)
+        if len(props_raw) > 1 and props_raw[0] & REPLY_TO_BIT_HIGH:
+            record = self.direct_reply_to(record, flags, seq)
         exchange, routing_key = wire.content_route(record)
         headers = None
         if self.routing.needs_headers(exchange):
@@ -274,6 +281,17 @@ class Channel(Stage):
         if self.confirms.transactional:
             flags |= wire.PUB_CONFIRM              # the commit waits for the queues to have it
         self.route_publish(record, flags, seq, targets)
+
+    def direct_reply_to(self, record, flags: int, seq: int):
+        """A request whose reply_to is amq.rabbitmq.reply-to: give it this channel's reply queue's name."""
+        exchange, routing_key, props_raw, body = wire.decode_content(record, wire.PUBLISH_CONTENT_OFFSET)
+        values = props.read(props_raw)
+        if values.get("reply_to") != REPLY_TO.encode():
+            return record
+        if self.reply_to is None:
+            raise ChannelError(406, "PRECONDITION_FAILED - fast reply consumer does not exist", 60, 40)
+        values["reply_to"] = self.reply_to
+        return wire.encode_publish(flags, seq, exchange, routing_key, props.encode(values), body)
 
     def route_publish(self, record, flags: int, seq: int, targets) -> None:
         """Send a routed publish on to its queues (linking to them first), or handle it as unroutable."""
@@ -387,7 +405,8 @@ class Channel(Stage):
                   "arguments": arguments_to_json(m.arguments)}, commands.Queue.UnbindOk(), QUEUE_UNBIND)
 
     def m_Queue_Purge(self, m) -> None:
-        self.to_queue(m.queue, {"op": "purge", "channel": self.number, "nowait": m.nowait}, QUEUE_PURGE)
+        self.to_queue(m.queue, {"op": "purge", "channel": self.number, "nowait": m.nowait,
+                                "reader": self.reader_name}, QUEUE_PURGE)
 
     def m_Queue_Delete(self, m) -> None:
         def deleted(msg) -> None:
@@ -436,11 +455,29 @@ class Channel(Stage):
         if tag in self.consumers:
             raise ChannelError(530, f"NOT_ALLOWED - attempt to reuse consumer tag '{tag}'", *BASIC_CONSUME)
         priority = consumer_priority(m.queue, m.arguments)
-        self.consumers[tag] = m.queue.encode()
         op = {"op": "consume", "channel": self.number, "ctag": tag, "no_ack": m.no_ack,
               "prefetch": self.prefetch, "channel_prefetch": self.channel_prefetch, "nowait": m.nowait,
               "reader": self.reader_name, "exclusive": m.exclusive, "priority": priority}
+        if m.queue == REPLY_TO:
+            self.consume_reply_to(tag, op, m)
+            return
+        self.consumers[tag] = m.queue.encode()
         self.to_queue(m.queue, op, BASIC_CONSUME)
+
+    def consume_reply_to(self, tag: str, op: dict, m) -> None:
+        """Direct reply-to: the pseudo-queue amq.rabbitmq.reply-to is a queue of this channel's own
+        (exclusive, auto-delete, named amq.rabbitmq.reply-to.<token>), consumed without acks; a publish
+        on this channel whose reply_to is amq.rabbitmq.reply-to gets that name instead."""
+        if not m.no_ack:
+            raise ChannelError(406, "PRECONDITION_FAILED - reply consumer cannot acknowledge", *BASIC_CONSUME)
+        if self.reply_to is not None:
+            raise ChannelError(406, "PRECONDITION_FAILED - reply consumer already set", *BASIC_CONSUME)
+        name = f"{REPLY_TO}.{base64.urlsafe_b64encode(os.urandom(12)).decode()}"
+        self.reply_to = name.encode()
+        self.consumers[tag] = self.reply_to
+        control.send_msg(self.ctl, {"type": "declare_queue", "queue": name, "exclusive": True, "auto_delete": True,
+                                    "durable": False, "reply_to": True})
+        self.wait(("link", self.reply_to), ("control", op, name, BASIC_CONSUME))
 
     def m_Basic_Cancel(self, m) -> None:
         queue = self.consumers.pop(m.consumer_tag, None)

@@ -52,6 +52,9 @@ TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth 
 TRIM_AFTER_FALL_FRACTION = 1 / 16    # trim each time the backlog has fallen by this much since the last trim,
 TRIM_MIN_INTERVAL_NS = 100_000_000   # but not more often: a trim costs ~0.1 ms per MiB it returns
 BASIC_CONSUME = (60, 20)
+# what another connection may not do to an exclusive queue (RabbitMQ's check_exclusive_access)
+LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 60, "method_id": 70},
+              "purge": {"class_id": 50, "method_id": 30}}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -79,7 +82,7 @@ class Queue(Stage):
     kind = "queue"
 
     def __init__(self, name, ctl_sock, inbox_fd, doorbell_fd, credit_spec, *, queue: str, durable: bool,
-                 exclusive: bool = False, auto_delete: bool = False, args: QueueArgs | None = None,
+                 owner: str | None = None, auto_delete: bool = False, args: QueueArgs | None = None,
                  store_spec=None, delay_us: int = 0, frame_max: int = 131072, run_id: str = "",
                  journal_dir: str | None = None, store_dir: str | None = None, page_path: str | None = None,
                  incarnation: int = 0, routing: dict | None = None):
@@ -87,7 +90,7 @@ class Queue(Stage):
         self.queue = queue
         self.queue_bytes = queue.encode("utf-8", "surrogateescape")
         self.durable = durable
-        self.exclusive = exclusive
+        self.owner = owner                         # an exclusive queue's connection (its reader)
         self.args = args or QueueArgs()
         self.store_spec = store_spec
         self.delay_ns = delay_us * 1000
@@ -579,6 +582,13 @@ class Queue(Stage):
         out = self.peer_out.get(channel)
         now = time.monotonic_ns()
         core = self.core
+        if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
+            self.reply(out, {"op": "error", "code": 405, **LOCKED_OPS[kind],
+                             "text": f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue "
+                                     f"'{self.queue}' in vhost '/'. It could be originally declared on another "
+                                     "connection or the exclusive property value does not match that of the "
+                                     "original declaration."})
+            return
         if kind == "declare":
             core.touch(now)
             st = core.statistics()

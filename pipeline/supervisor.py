@@ -70,6 +70,7 @@ DEATHS_KEPT = 1000
 TOKEN_RETRY_S = 0.01                # a full inbox pipe: try the tokens again this soon
 ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for this long
 SUPERVISOR = "creditflow_sup"
+REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
@@ -490,7 +491,7 @@ class Supervisor:
         def factory(ctl, inbox, bell):
             from pipeline.queue import Queue
             return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=qdef.durable,
-                         exclusive=qdef.exclusive, auto_delete=qdef.auto_delete, args=qdef.args,
+                         owner=qdef.owner, auto_delete=qdef.auto_delete, args=qdef.args,
                          store_spec=cfg.store_credit, delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max,
                          run_id=self.run_id, journal_dir=journal_dir, store_dir=store_dir, page_path=page_path,
                          incarnation=incarnation, routing=snapshot)
@@ -616,7 +617,8 @@ class Supervisor:
             qdef, made = self.defs.declare_queue(
                 name, durable=bool(msg.get("durable")), exclusive=bool(msg.get("exclusive")),
                 auto_delete=bool(msg.get("auto_delete")), arguments=arguments_from_json(msg.get("arguments")),
-                owner=channel.owner, passive=bool(msg.get("passive")))
+                owner=channel.owner, passive=bool(msg.get("passive")),
+                reserved=name.startswith(REPLY_TO_PREFIX) and msg.get("reply_to") is True)
         except (AmqpError, QueueError) as exc:
             self.tell(channel, {"type": "declare_refused", "queue": name, **vars(refused(exc))})
             return

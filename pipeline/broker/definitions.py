@@ -91,8 +91,9 @@ class Definitions:
 
     # -- queues ----------------------------------------------------------------------------------
     def declare_queue(self, name: str, *, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict,
-                      owner: str, passive: bool) -> tuple[QueueDef | None, bool]:
-        """(the queue, made now?) for a queue.declare from the connection whose reader is ``owner``.
+                      owner: str, passive: bool, reserved: bool = False) -> tuple[QueueDef | None, bool]:
+        """(the queue, made now?) for a queue.declare from the connection whose reader is ``owner``;
+        ``reserved``: the broker's own (a direct reply-to queue), which may be named ``amq.``.
         Raises what the client is told (``QueueError`` from args, ``ChannelLevelError``)."""
         q = self.queues.get(name)
         if passive:
@@ -101,7 +102,7 @@ class Definitions:
             if q.owner is not None and q.owner != owner:
                 check_redeclare(q.spec(), QueueSpec(name, q.durable, q.auto_delete, owner, q.arguments))
             return q, False
-        if name.startswith("amq."):
+        if name.startswith("amq.") and not reserved:
             raise ChannelLevelError(ACCESS_REFUSED, f"ACCESS_REFUSED - queue name '{name}' contains reserved "
                                                     "prefix 'amq.*'", *QUEUE_DECLARE)
         durable = durable and not exclusive          # as RabbitMQ stores it

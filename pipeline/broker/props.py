@@ -47,7 +47,7 @@ PROPERTIES = (("content_type", 0x8000, SHORTSTR), ("content_encoding", 0x4000, S
               ("expiration", 0x0100, SHORTSTR), ("message_id", 0x0080, SHORTSTR), ("timestamp", 0x0040, U64),
               ("type", 0x0020, SHORTSTR), ("user_id", 0x0010, SHORTSTR), ("app_id", 0x0008, SHORTSTR),
               ("cluster_id", 0x0004, SHORTSTR))
-PRIORITY_BIT, EXPIRATION_BIT, HEADERS_BIT = 0x0800, 0x0100, 0x2000
+PRIORITY_BIT, EXPIRATION_BIT, HEADERS_BIT, REPLY_TO_BIT = 0x0800, 0x0100, 0x2000, 0x0200
 
 
 def read(props_raw, names=None) -> dict:
