@@ -58,6 +58,17 @@ def nonneg_seconds(text: str) -> float:
     return value
 
 
+DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
+MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024       # RabbitMQ refuses a larger setting
+
+
+def max_message_arg(text: str) -> int:
+    value = pos_int(text)
+    if value > MAX_MESSAGE_BYTES_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_MESSAGE_BYTES_LIMIT} (512 MiB), got {value}")
+    return value
+
+
 def pos_int(text: str) -> int:
     value = nonneg_int(text)
     if value == 0:
@@ -117,14 +128,15 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
                    help="on (default): statistics snapshots every 100 ms and state samples in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
-    g.add_argument("--max-message-bytes", type=pos_int, default=1024 * 1024,
-                   help="largest message accepted (default 1 MiB; rings hold at least two)")
+    g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
+                   help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
+                        "512 MiB); one bigger than a ring slot crosses it in pieces")
 
 
 def broker_config(args, data_dir: str, port: int):
-    from pipeline.supervisor import BrokerConfig
+    from pipeline.supervisor import RING_BYTES, BrokerConfig
     from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND
-    ring_bytes = max(4 * 1024 * 1024, 4 * args.max_message_bytes + 65536)
+    ring_bytes = RING_BYTES
     return BrokerConfig(
         data_dir=data_dir, port=port,
         credit=args.credit or DEFAULT_CREDIT, store_credit=args.store_credit or MSG_STORE_CREDIT_DISC_BOUND,

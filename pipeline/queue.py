@@ -486,7 +486,7 @@ class Queue(Stage):
                 room[link.link_id] = 0
                 continue
             stats = link.ring.statistics()
-            by_space = link.ring.free_bytes() // size
+            by_space = link.ring.free_bytes() // size if stats.in_flight else 1     # a big one goes alone
             room[link.link_id] = max(0, min(DELIVERY_WINDOW - stats.in_flight, by_space))
             if room[link.link_id] == 0:
                 link.ring.writer_waiting = True     # its reader answers with a SPACE token once it reads

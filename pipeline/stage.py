@@ -57,6 +57,10 @@ def give_back_heap() -> bool:
 OVERFLOW_RETRY_MS = 5
 HAND_ON_LIMIT_NS = 30_000_000_000   # an exiting stage waits this long for receivers to take its overflow
 READ_BATCH_RECORDS = 256
+FRAGMENT = 12                      # wire.Kind.FRAGMENT: a piece of a record too big for one ring slot
+FRAGMENT_HEAD_BYTES = 2            # kind, last
+FRAGMENT_MAX_BYTES = 1024 * 1024
+_FRAGMENT_MORE, _FRAGMENT_LAST = bytes((FRAGMENT, 0)), bytes((FRAGMENT, 1))
 TURN_NS = 1_000_000          # a stage with a per-record delay still hands on its output every ~1 ms
 TURN_BUDGET_NS = 5_000_000   # at most this long reading in-links before the rest of a turn runs
 STOP_DRAIN_NS = 1_000_000_000
@@ -75,7 +79,7 @@ class OutLink:
     frees space."""
 
     __slots__ = ("link_id", "peer", "segment", "ring", "doorbell", "inbox", "flow",
-                 "overflow", "staged", "records", "messages")
+                 "overflow", "staged", "records", "messages", "fragment_bytes")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
                  peer_doorbell_fd: int, flow: bool):
@@ -89,6 +93,7 @@ class OutLink:
         self.staged = 0
         self.records = 0       # every record put on this link
         self.messages = 0      # the credit-bearing ones (publishes, store writes)
+        self.fragment_bytes = min(FRAGMENT_MAX_BYTES, self.ring.max_record_bytes - FRAGMENT_HEAD_BYTES)
 
     def put_message(self, record) -> None:
         """Put a record that costs credit (the caller spends it with ``CreditFlow.send``)."""
@@ -97,6 +102,9 @@ class OutLink:
 
     def put(self, record) -> None:
         self.records += 1
+        if len(record) > self.fragment_bytes:
+            self.put_fragments(record)
+            return
         if not self.overflow:
             try:
                 self.ring.write_nowait(record)
@@ -105,6 +113,23 @@ class OutLink:
             except WouldBlock:
                 self.ring.writer_waiting = True
         self.overflow.append(record)
+
+    def put_fragments(self, record) -> None:
+        """A record too big for one ring slot goes as FRAGMENT records the receiving link joins."""
+        view = memoryview(record)
+        step = self.fragment_bytes
+        for start in range(0, len(view), step):
+            last = start + step >= len(view)
+            piece = _FRAGMENT_LAST + view[start:start + step].tobytes() if last else \
+                _FRAGMENT_MORE + view[start:start + step].tobytes()
+            if not self.overflow:
+                try:
+                    self.ring.write_nowait(piece)
+                    self.staged += 1
+                    continue
+                except WouldBlock:
+                    self.ring.writer_waiting = True
+            self.overflow.append(piece)
 
     def flush(self) -> None:
         overflow = self.overflow
@@ -147,7 +172,7 @@ class OutLink:
 class InLink:
     """Receiving end of one ring; answers the sender on its inbox pipe."""
 
-    __slots__ = ("link_id", "peer", "segment", "ring", "inbox", "flow", "received")
+    __slots__ = ("link_id", "peer", "segment", "ring", "inbox", "flow", "received", "pieces", "more")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int, flow: bool):
         self.link_id = link_id
@@ -156,14 +181,34 @@ class InLink:
         self.inbox = tokens.TokenWriter(peer_inbox_fd)
         self.flow = flow
         self.received = 0
+        self.pieces: list = []     # the fragments of a record still arriving
+        self.more = False          # the last read took a full batch: there may be more
 
     def read(self, max_records: int = READ_BATCH_RECORDS) -> list:
         records = self.ring.read_batch(max_records)
+        self.more = len(records) == max_records
         if records:
             self.received += len(records)
             if self.ring.writer_waiting:
                 self.token(TokenKind.SPACE, 0)
+            for r in records:
+                if r[0] == FRAGMENT:
+                    return self.join(records)
         return records
+
+    def join(self, records: list) -> list:
+        """Whole records, with fragments joined (the last, unfinished one kept for the next read)."""
+        out = []
+        pieces = self.pieces
+        for r in records:
+            if r[0] != FRAGMENT:
+                out.append(r)
+                continue
+            pieces.append(memoryview(r)[FRAGMENT_HEAD_BYTES:])
+            if r[1]:
+                out.append(b"".join(pieces))
+                pieces.clear()
+        return out
 
     def token(self, kind, value: int) -> None:
         try:
@@ -274,7 +319,7 @@ class Stage:
         should) or "crashed" (it died, or was killed)."""
         inbound = self.in_links.get(link_id)
         if inbound is not None:  # what the peer sent before it went away is still ours to handle
-            while records := inbound.read():
+            while (records := inbound.read()) or inbound.more:
                 for record in records:
                     self.on_record(inbound, record)
         self.send_grants(self.credit.peer_down(link_id, now_ns))
@@ -342,11 +387,13 @@ class Stage:
             while link.link_id in self.in_links and self.wants_records(link) and self.can_read_more():
                 records = link.read(batch)
                 if not records:
+                    if link.more:
+                        continue           # a batch of fragments, none of its record finished yet
                     break
                 handled += len(records)
                 for record in records:
                     self.on_record(link, record)
-                if len(records) < batch or not self.can_read_more():
+                if not link.more or not self.can_read_more():
                     break
                 if batch < READ_BATCH_RECORDS:
                     self.flush_links()     # a slow stage: show the receivers what it has done

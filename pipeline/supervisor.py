@@ -90,7 +90,7 @@ class BrokerConfig:
     frame_max: int = 131072
     channel_max: int = 2047
     connection_max: int = 1000
-    max_message_bytes: int = 1024 * 1024
+    max_message_bytes: int = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
     ring_bytes: int = RING_BYTES
     fsync_interval_ms: int = 200
     fsync_delay_ms: int = 0

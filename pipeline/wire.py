@@ -31,6 +31,8 @@ Layouts::
     WRITE    queue -> store: u8 kind | 16-byte message id | body
     REMOVE   queue -> store: u8 kind | 16-byte message id * n
     ON_DISK  store -> queue: u8 kind | 16-byte message id * n
+    FRAGMENT any -> any: u8 kind | u8 last | a piece of a record too big for its ring; the receiving
+             link joins the pieces and hands on the whole record (``pipeline.stage``)
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Kind(IntEnum):
     WRITE = 9
     REMOVE = 10
     ON_DISK = 11
+    FRAGMENT = 12
 
 
 class WireError(ValueError):
