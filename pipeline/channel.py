@@ -38,7 +38,7 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.amqp.errors import AmqpError
 from pipeline.broker import props
-from pipeline.broker.args import QueueError, consumer_priority
+from pipeline.broker.args import QueueError, consumer_priority, parse_expiration
 from pipeline.broker.confirms import ACK, COMMIT_OK, NACK, Confirms
 from pipeline.broker.definitions import arguments_to_json
 from pipeline.broker.routing import RoutingTable
@@ -51,6 +51,7 @@ EXCHANGE_DECLARE, EXCHANGE_DELETE, EXCHANGE_BIND, EXCHANGE_UNBIND = (40, 10), (4
 BASIC_CONSUME, BASIC_CANCEL, BASIC_GET = (60, 20), (60, 30), (60, 70)
 REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_BIT_HIGH = props.REPLY_TO_BIT >> 8      # the reply_to flag, in the first byte of the property flags
+EXPIRATION_BIT_HIGH = props.EXPIRATION_BIT >> 8
 
 
 class ChannelError(Exception):
@@ -268,8 +269,14 @@ class Channel(Stage):
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
         props_raw = wire.content_props(record)
-        if len(props_raw) > 1 and props_raw[0] & REPLY_TO_BIT_HIGH:
-            record = self.direct_reply_to(record, flags, seq)
+        if len(props_raw) > 1 and props_raw[0] & (REPLY_TO_BIT_HIGH | EXPIRATION_BIT_HIGH):
+            if props_raw[0] & EXPIRATION_BIT_HIGH:       # RabbitMQ's channel refuses a bad one at once
+                try:
+                    parse_expiration(props.read(props_raw, ("expiration",)).get("expiration"))
+                except QueueError as exc:
+                    raise from_amqp(exc, 60, 40) from None
+            if props_raw[0] & REPLY_TO_BIT_HIGH:
+                record = self.direct_reply_to(record, flags, seq)
         exchange, routing_key = wire.content_route(record)
         headers = None
         if self.routing.needs_headers(exchange):
@@ -388,11 +395,16 @@ class Channel(Stage):
 
     # queue class
     def m_Queue_Declare(self, m) -> None:
-        queue = m.queue or f"amq.gen-{os.urandom(11).hex()}"
+        if m.queue == REPLY_TO and m.passive:       # the pseudo-queue exists for every channel
+            self.out_frames.append(frames.encode_reply(self.number, commands.Queue.DeclareOk, queue=REPLY_TO,
+                                                       message_count=0, consumer_count=0))
+            return
+        # a server-named queue, as RabbitMQ names them (amq.gen- and a 128-bit guid, base64url)
+        queue = m.queue or "amq.gen-" + base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode()
         op = {"op": "declare", "channel": self.number, "queue": queue, "nowait": m.nowait}
         control.send_msg(self.ctl, {"type": "declare_queue", "queue": queue, "passive": m.passive,
                                     "durable": m.durable, "auto_delete": m.auto_delete, "exclusive": m.exclusive,
-                                    "arguments": arguments_to_json(m.arguments)})
+                                    "arguments": arguments_to_json(m.arguments), "generated": not m.queue})
         self.wait(("link", queue.encode()), ("control", op, queue, QUEUE_DECLARE))
 
     def m_Queue_Bind(self, m) -> None:

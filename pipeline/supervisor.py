@@ -618,7 +618,8 @@ class Supervisor:
                 name, durable=bool(msg.get("durable")), exclusive=bool(msg.get("exclusive")),
                 auto_delete=bool(msg.get("auto_delete")), arguments=arguments_from_json(msg.get("arguments")),
                 owner=channel.owner, passive=bool(msg.get("passive")),
-                reserved=name.startswith(REPLY_TO_PREFIX) and msg.get("reply_to") is True)
+                reserved=msg.get("generated") is True or (name.startswith(REPLY_TO_PREFIX)
+                                                          and msg.get("reply_to") is True))
         except (AmqpError, QueueError) as exc:
             self.tell(channel, {"type": "declare_refused", "queue": name, **vars(refused(exc))})
             return

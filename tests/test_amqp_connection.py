@@ -120,9 +120,10 @@ def test_handshake_start_tune_open():
     assert start_.mechanisms == "PLAIN AMQPLAIN" and start_.locales == "en_US"
     server = start_.server_properties
     assert server["product"] == "creditflow" and server["cluster_name"] == "rabbit@here"
-    assert server["capabilities"] == {name: True for name in (
+    assert server["capabilities"] == {name: True for name in (       # RabbitMQ 3.10's list
         "publisher_confirms", "exchange_exchange_bindings", "basic.nack", "consumer_cancel_notify",
-        "connection.blocked", "authentication_failure_close", "per_consumer_qos")}
+        "connection.blocked", "consumer_priorities", "authentication_failure_close", "per_consumer_qos",
+        "direct_reply_to")}
 
     client_props = {"product": "test client", "capabilities": {"connection.blocked": True}}
     conn.receive_data(m(0, commands.Connection.StartOk(client_properties=client_props, mechanism="PLAIN",

@@ -68,7 +68,8 @@ PRODUCT = "creditflow"
 VERSION = "0.1.0"
 AUTH_MECHANISMS = "PLAIN AMQPLAIN"
 SERVER_CAPABILITIES = ("publisher_confirms", "exchange_exchange_bindings", "basic.nack", "consumer_cancel_notify",
-                       "connection.blocked", "authentication_failure_close", "per_consumer_qos")
+                       "connection.blocked", "consumer_priorities", "authentication_failure_close",
+                       "per_consumer_qos", "direct_reply_to")
 CHANNEL_MAX_NO_LIMIT = 65535
 FRAME_SIZE_SLACK_BYTES = 8          # RabbitMQ accepts frames up to 8 bytes over frame_max - 8
 HEARTBEAT_MISSES_ALLOWED = 2        # a client silent for more than 2 intervals has timed out
