@@ -150,3 +150,23 @@ def test_kombu_connects_over_ipv6(amqp):
         assert queue.get(timeout=3).payload == "over ipv6"
         assert conn.connection.sock.family == socket.AF_INET6
         queue.close()
+
+
+def test_every_delivery_sent_before_cancel_ok_reaches_the_consumer(amqp):
+    """The pattern of kombu's own integration tests: one drain_events, then leave the consumer.
+    py-amqp hands every delivery it reads while waiting for basic.cancel-ok to the callback, so all
+    the messages the queue pushed on basic.consume must come before cancel-ok, as in RabbitMQ."""
+    queue = Queue(amqp.name("drained"))
+    got: list = []
+    with Connection(amqp.url) as conn:
+        channel = conn.default_channel
+        queue(channel).declare()
+        producer = Producer(channel, serializer="json")
+        for n in range(20):
+            producer.publish({"n": n}, routing_key=queue.name)
+        deadline = time.monotonic() + 3
+        while queue(channel).queue_declare(passive=True).message_count < 20 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with Consumer(conn, [queue], accept=["json"], callbacks=[lambda body, message: got.append(body["n"])]):
+            conn.drain_events(timeout=3)
+    assert got == list(range(20))
