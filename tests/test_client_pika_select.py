@@ -126,6 +126,34 @@ def test_prefetch_is_per_consumer_or_for_the_whole_channel(amqp):
     assert app.events == [{"per-consumer": 4, "global": 3}, 4]
 
 
+def test_a_global_prefetch_counts_across_every_queue_the_channel_consumes(amqp):
+    """RabbitMQ's channel-wide limit (global=true) holds the channel's unacked deliveries from all its
+    queues together: two queues of five, a limit of three, three deliveries in all."""
+    queues = [amqp.name(f"shared{i}") for i in range(2)]
+    delivered: list[str] = []
+
+    def on_open(app):
+        app.conn.channel(on_open_callback=lambda ch: fill(app, ch))
+
+    def fill(app, ch):
+        def declared(i, _ok):
+            for n in range(5):
+                ch.basic_publish("", queues[i], b"%d" % n)
+            if i == 1:
+                ch.queue_declare(queues[1], passive=True, callback=lambda _: ch.basic_qos(
+                    prefetch_count=3, global_qos=True, callback=lambda _: consume(app, ch)))
+        for i, q in enumerate(queues):
+            ch.queue_declare(q, callback=functools.partial(declared, i))
+
+    def consume(app, ch):
+        for q in queues:
+            ch.basic_consume(q, lambda _c, method, _p, _b: delivered.append(method.routing_key))
+        app.later(1.0, app.finish)
+
+    App(amqp, on_open)
+    assert len(delivered) == 3 and set(delivered) <= set(queues)
+
+
 def test_channel_flow_is_answered_and_active_false_is_not_implemented(amqp):
     def on_open(app):
         app.conn.channel(on_open_callback=lambda ch: ch.flow(True, lambda active: flowing(app, active)))
