@@ -1,8 +1,10 @@
 """The broker the real-client acceptance tests talk to: ``creditflow serve``, or RabbitMQ itself.
 
-By default every client test gets a fresh ``creditflow serve`` (the ``start_broker``
-fixture). ``CREDITFLOW_TEST_RABBITMQ`` points the same tests at RabbitMQ instead, so
-that every assertion in them is proven against the broker creditflow imitates:
+By default the client tests of one module share a ``creditflow serve`` started for
+them (a fresh one after a test that failed, and one of its own, with a TLS listener,
+for the AMQPS test). ``CREDITFLOW_TEST_RABBITMQ`` points the same tests at RabbitMQ
+instead, so that every assertion in them is proven against the broker creditflow
+imitates:
 
 * ``CREDITFLOW_TEST_RABBITMQ=start`` starts a private RabbitMQ node for the test
   session (Debian's ``rabbitmq-server``, under ``/usr/lib/rabbitmq``) on free
@@ -13,9 +15,11 @@ that every assertion in them is proven against the broker creditflow imitates:
   ``CREDITFLOW_TEST_RABBITMQ_IPV6=1`` and ``CREDITFLOW_TEST_RABBITMQ_TLS=PORT:CA_FILE``
   say where those listeners are.
 
-A node outlives a test, so every test names its queues and exchanges with
+A broker outlives a test, so every test names its queues and exchanges with
 ``target.name(...)``, which is unique to the test; on RabbitMQ they are deleted when
 the test ends.
+
+    CREDITFLOW_TEST_RABBITMQ=start .venv/bin/python -m pytest tests/test_client_*.py
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import os
 import shutil
 import signal
 import socket
-import ssl
 import subprocess
 import tempfile
 import time
@@ -71,12 +74,8 @@ class Target:
         import pika
         return pika.ConnectionParameters(self.host, self.port, **kw)
 
-    def tls_context(self) -> ssl.SSLContext:
-        context = ssl.create_default_context(cafile=self.ca_file)
-        return context
-
     def cleanup(self) -> None:
-        """Delete what the test declared (RabbitMQ only: a creditflow broker goes with its test)."""
+        """Delete what the test declared on RabbitMQ (a creditflow broker goes with its module)."""
         if self.kind != "rabbitmq" or not self.names:
             return
         import pika
@@ -147,7 +146,7 @@ class RabbitMQNode:
     def stop(self) -> None:
         try:
             subprocess.run([str(RABBITMQ_SBIN / "rabbitmqctl"), "-n", self.nodename, "stop"], env=self.env,
-                           capture_output=True, timeout=60)
+                           capture_output=True, timeout=60, check=False)
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
             pass

@@ -24,7 +24,7 @@ def drain(conn: Connection, expect: int, got: list, timeout_s: float = 3.0) -> l
     while len(got) < expect and time.monotonic() < deadline:
         try:
             conn.drain_events(timeout=0.1)
-        except socket.timeout:
+        except TimeoutError:
             pass
     return got
 
@@ -128,7 +128,7 @@ def test_a_rejected_message_goes_to_the_dead_letter_exchange(amqp):
             while not got and time.monotonic() < deadline:
                 try:
                     conn.drain_events(timeout=0.1)
-                except socket.timeout:
+                except TimeoutError:
                     pass
                 message = parked(channel).get(no_ack=True)
                 if message is not None:

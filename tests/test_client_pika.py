@@ -109,14 +109,14 @@ def test_redeclaring_a_queue_with_other_arguments_is_refused(amqp):
     with connect(amqp) as conn:
         conn.channel().queue_declare(q, arguments={"x-max-length": 10})
         assert refusal(conn.channel().queue_declare, q, arguments={"x-max-length": 20}) == (
-            406, f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
-                 "received '20' but current is '10'")
+            406, (f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
+                  "received '20' but current is '10'"))
         assert refusal(conn.channel().queue_declare, q, durable=True, arguments={"x-max-length": 10}) == (
-            406, f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue '{q}' in vhost '/': "
-                 "received 'true' but current is 'false'")
+            406, (f"PRECONDITION_FAILED - inequivalent arg 'durable' for queue '{q}' in vhost '/': "
+                  "received 'true' but current is 'false'"))
         assert refusal(conn.channel().queue_declare, q) == (
-            406, f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
-                 "received none but current is the value '10' of type 'signedint'")
+            406, (f"PRECONDITION_FAILED - inequivalent arg 'x-max-length' for queue '{q}' in vhost '/': "
+                  "received none but current is the value '10' of type 'signedint'"))
         ch = conn.channel()
         assert ch.queue_declare(q, arguments={"x-max-length": 10}).method.queue == q
 
@@ -126,9 +126,9 @@ def test_an_exclusive_queue_is_locked_to_its_connection_and_goes_with_it(amqp):
     q = amqp.name("mine")
     owner = connect(amqp)
     owner.channel().queue_declare(q, exclusive=True)
-    locked = (405, f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{q}' in vhost '/'. "
-                   "It could be originally declared on another connection or the exclusive property value "
-                   "does not match that of the original declaration.")
+    locked = (405, (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{q}' in vhost '/'. "
+                    "It could be originally declared on another connection or the exclusive property value "
+                    "does not match that of the original declaration."))
     with connect(amqp) as other:
         assert refusal(other.channel().queue_declare, q, passive=True) == locked
         assert refusal(other.channel().basic_consume, q, lambda *a: None) == locked
@@ -447,5 +447,5 @@ def test_bodies_up_to_rabbitmqs_default_max_size_pass_and_bigger_ones_are_refuse
         with pytest.raises(ChannelClosedByBroker) as exc:
             ch.basic_publish("", q, bytes(too_big))
         assert (exc.value.reply_code, exc.value.reply_text) == (
-            406, f"PRECONDITION_FAILED - message size {MAX_MESSAGE_BYTES + 1} is larger than configured "
-                 f"max size {MAX_MESSAGE_BYTES}")
+            406, (f"PRECONDITION_FAILED - message size {MAX_MESSAGE_BYTES + 1} is larger than configured "
+                  f"max size {MAX_MESSAGE_BYTES}"))
