@@ -205,6 +205,8 @@ class Channel(Stage):
             q.out.put(op[1])
         elif kind == "commit":
             self.deliver_commit(op[1])
+        elif kind == "delete":
+            self.send_delete(q, op[1])
 
     def send_to_queue(self, q: QueueLinks, op: dict, ids) -> None:
         """An operation the queue answers (declare_ok, done, purge_ok or error) before the next client record."""
@@ -421,13 +423,23 @@ class Channel(Stage):
                                 "reader": self.reader_name}, QUEUE_PURGE)
 
     def m_Queue_Delete(self, m) -> None:
+        q = self.need_queue(m.queue.encode(), ("delete", m))
+        if q is not None:
+            self.send_delete(q, m)
+
+    def send_delete(self, q: QueueLinks | None, m) -> None:
+        """queue.delete goes over the queue's ring, so the queue checks if-empty after this channel's
+        earlier publishes; the queue tells the supervisor, which answers once the queue is gone."""
         def deleted(msg) -> None:
             if not msg.get("ok"):
                 raise ChannelError(msg["code"], msg["text"], *QUEUE_DELETE)
             if not m.nowait:
                 self.reply(commands.Queue.DeleteOk(message_count=msg.get("message_count", 0)))
-        control.send_msg(self.ctl, {"type": "delete_queue", "queue": m.queue, "if_unused": m.if_unused,
-                                    "if_empty": m.if_empty})
+        if q is None:                          # no such queue: RabbitMQ 3.10 answers delete-ok all the same
+            deleted({"ok": True, "message_count": 0})
+            return
+        q.out.put(wire.encode_control({"op": "delete", "if_unused": m.if_unused, "if_empty": m.if_empty,
+                                       "reader": self.reader_name}))
         self.wait(("broker",), deleted)
 
     # exchange class

@@ -54,7 +54,7 @@ TRIM_MIN_INTERVAL_NS = 100_000_000   # but not more often: a trim costs ~0.1 ms 
 BASIC_CONSUME = (60, 20)
 # what another connection may not do to an exclusive queue (RabbitMQ's check_exclusive_access)
 LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 60, "method_id": 70},
-              "purge": {"class_id": 50, "method_id": 30}}
+              "purge": {"class_id": 50, "method_id": 30}, "delete": {"class_id": 50, "method_id": 40}}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -486,7 +486,9 @@ class Queue(Stage):
                 room[link.link_id] = 0
                 continue
             stats = link.ring.statistics()
-            by_space = link.ring.free_bytes() // size if stats.in_flight else 1     # a big one goes alone
+            by_space = link.ring.free_bytes() // size
+            if not stats.in_flight:
+                by_space = max(1, by_space)        # into an empty ring even a message bigger than it goes
             room[link.link_id] = max(0, min(DELIVERY_WINDOW - stats.in_flight, by_space))
             if room[link.link_id] == 0:
                 link.ring.writer_waiting = True     # its reader answers with a SPACE token once it reads
@@ -583,11 +585,14 @@ class Queue(Stage):
         now = time.monotonic_ns()
         core = self.core
         if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
-            self.reply(out, {"op": "error", "code": 405, **LOCKED_OPS[kind],
-                             "text": f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue "
-                                     f"'{self.queue}' in vhost '/'. It could be originally declared on another "
-                                     "connection or the exclusive property value does not match that of the "
-                                     "original declaration."})
+            text = (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{self.queue}' in vhost "
+                    "'/'. It could be originally declared on another connection or the exclusive property value "
+                    "does not match that of the original declaration.")
+            if kind == "delete":
+                control.send_msg(self.ctl, {"type": "delete_answer", "queue": self.queue, "req": None,
+                                            "channel": channel, "ok": False, "code": 405, "text": text})
+            else:
+                self.reply(out, {"op": "error", "code": 405, **LOCKED_OPS[kind], "text": text})
             return
         if kind == "declare":
             core.touch(now)
@@ -615,6 +620,8 @@ class Queue(Stage):
             self.channel_reader[channel] = op["reader"]
             self.do(core.get(channel, now, no_ack=op["no_ack"]))
             self.done(out, reader_link)
+        elif kind == "delete":
+            self.delete({**op, "channel": channel})
         elif kind == "purge":
             count, actions = core.purge(now)
             self.do(actions)
@@ -658,19 +665,20 @@ class Queue(Stage):
         self.do(self.core.channel_closed(channel, time.monotonic_ns()))
 
     def delete(self, msg: dict) -> None:
-        """queue.delete, asked by the supervisor: check if-unused/if-empty, forget everything, answer."""
+        """queue.delete, from a channel (over its ring) or the supervisor: check if-unused/if-empty,
+        forget everything, and tell the supervisor, which answers the channel once the queue is gone."""
+        answer = {"type": "delete_answer", "queue": self.queue, "req": msg.get("req"), "channel": msg.get("channel")}
         try:
             count, actions = self.core.delete(time.monotonic_ns(), if_unused=msg.get("if_unused", False),
-                                                 if_empty=msg.get("if_empty", False))
+                                              if_empty=msg.get("if_empty", False))
         except QueueError as exc:
-            control.send_msg(self.ctl, {"type": "delete_answer", "req": msg["req"], "ok": False,
-                                        "code": exc.reply_code, "text": exc.reply_text})
+            control.send_msg(self.ctl, {**answer, "ok": False, "code": exc.reply_code, "text": exc.reply_text})
             return
         self.do(actions)
         self.consumers.clear()
         if self.journal is not None:
             self.journal_policy(time.monotonic_ns())
-        control.send_msg(self.ctl, {"type": "delete_answer", "req": msg["req"], "ok": True, "message_count": count})
+        control.send_msg(self.ctl, {**answer, "ok": True, "message_count": count})
 
     def done(self, out, reader_link) -> None:
         """Tell the channel its operation is answered, after the answer the reader sends is committed:

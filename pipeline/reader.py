@@ -16,7 +16,6 @@ the queue through the channel.
 from __future__ import annotations
 
 import collections
-import errno
 import selectors
 import socket
 import ssl

@@ -715,8 +715,16 @@ class Supervisor:
                          "if_empty": bool(msg.get("if_empty"))})
 
     def on_delete_answer(self, msg: dict) -> None:
-        name, reply_to = self.deletions.pop(msg["req"], (None, None))
-        if name is None:
+        if msg.get("req") is not None:
+            name, reply_to = self.deletions.pop(msg["req"], (None, None))
+        else:                                   # a channel's queue.delete, sent over the queue's ring
+            name, reply_to = msg.get("queue"), msg.get("channel")
+            qdef = self.defs.queues.get(name)
+            if qdef is None or qdef.deleting:
+                return
+            if msg.get("ok"):
+                qdef.deleting = True
+        if name is None or name not in self.defs.queues:
             return
         requester = self.procs.get(reply_to) if reply_to else None
         if not msg.get("ok"):

@@ -238,3 +238,18 @@ def no_leftovers():
         from ipc import shm
         shm.cleanup_stale()
         pytest.fail(f"tests left shared memory behind: {leaked}")
+
+
+def _terminated(signum, _frame) -> None:
+    """pytest itself told to stop (a CI step's timeout, a kill of the run): stop every broker and
+    load run it started, with their shared memory, before leaving."""
+    for proc in _started:
+        kill_group(proc, grace_s=3)
+    from ipc import shm
+    shm.cleanup_stale()
+    os._exit(128 + signum)
+
+
+def pytest_configure(config) -> None:
+    signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGHUP, _terminated)
