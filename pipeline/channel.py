@@ -207,6 +207,13 @@ class Channel(Stage):
             self.deliver_commit(op[1])
         elif kind == "delete":
             self.send_delete(q, op[1])
+        elif kind == "permits":
+            self.pass_permits(q, op[1])
+
+    def pass_permits(self, q: QueueLinks | None, msg: dict) -> None:
+        """basic.qos global=true: the reader's limiter lets queue ``q`` deliver ``count`` more."""
+        if q is not None and not self.closing:
+            q.out.put(wire.encode_control({"op": "permits", "count": msg["count"]}))
 
     def send_to_queue(self, q: QueueLinks, op: dict, ids) -> None:
         """An operation the queue answers (declare_ok, done, purge_ok or error) before the next client record."""
@@ -243,8 +250,13 @@ class Channel(Stage):
                 self.on_method(record)
             elif kind == wire.Kind.ACK:
                 self.on_client_ack(record)
-            elif kind == wire.Kind.CONTROL and wire.decode_control(record).get("op") == "close":
-                self.close()
+            elif kind == wire.Kind.CONTROL:
+                msg = wire.decode_control(record)
+                if msg.get("op") == "close":
+                    self.close()
+                elif msg.get("op") == "permits":
+                    self.pass_permits(self.need_queue(msg["queue"].encode("utf-8", "surrogateescape"),
+                                                      ("permits", msg)), msg)
         except ChannelError as err:
             self.channel_error(err)
         except (AmqpError, QueueError) as exc:

@@ -35,8 +35,8 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.broker import props
 from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
-from pipeline.broker.backlog import (Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk, Message,
-                                     Nack, dead_letter_cycles, record_death)
+from pipeline.broker.backlog import (AskPermits, Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk,
+                                     Message, Nack, ReturnPermits, dead_letter_cycles, record_death)
 from pipeline.broker.backlog import Confirm as ConfirmAction
 from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, PageFile, Paged
 from pipeline.broker.routing import RoutingTable
@@ -99,7 +99,7 @@ class Queue(Stage):
         self.run_id = run_id
         self.id_prefixes: dict[str, bytes] = {}     # publishing channel -> 8-byte prefix of store ids
         self.consumers: dict[tuple, ConsumerInfo] = {}       # (channel process, tag) -> where deliveries go
-        self.get_links: dict[str, tuple] = {}               # channel process -> (reader link, channel number)
+        self.channel_links: dict[str, tuple] = {}               # channel process -> (reader link, channel number)
         self.channel_reader: dict[str, str] = {}            # channel process -> its reader
         self.reader_links: dict[str, object] = {}
         self.peer_out: dict[str, object] = {}                # peer name -> out link
@@ -330,7 +330,7 @@ class Queue(Stage):
             elif t is GetOk:
                 self.get_ok(action)
             elif t is GetEmpty:
-                link, channel = self.get_links[action.channel]
+                link, channel = self.channel_links[action.channel]
                 link.put(wire.encode_frames(frames.encode_method(channel, commands.Basic.GetEmpty())))
             elif t is Nack:
                 self.nacks.setdefault(action.publisher, []).append(action.seq)
@@ -339,6 +339,16 @@ class Queue(Stage):
                 self.ended(action.message)
             elif t is DeleteQueue:
                 control.send_msg(self.ctl, {"type": "delete_me", "queue": self.queue, "reason": action.reason})
+            elif t is AskPermits or t is ReturnPermits:
+                self.to_limiter(action)
+
+    def to_limiter(self, action) -> None:
+        """basic.qos global=true: the channel's limiter lives in its reader, which sees all its deliveries."""
+        link, channel = self.channel_links[action.channel]
+        if type(action) is AskPermits:
+            link.put(wire.encode_control({"op": "want", "channel": channel, "count": action.want}))
+        else:
+            link.put(wire.encode_control({"op": "give_back", "channel": channel, "count": action.count}))
 
     def payload(self, msg: Message):
         record = msg.payload
@@ -361,7 +371,7 @@ class Queue(Stage):
             self.ended(msg)
 
     def get_ok(self, action: GetOk) -> None:
-        link, channel = self.get_links[action.channel]
+        link, channel = self.channel_links[action.channel]
         msg = action.message
         record = self.payload(msg)
         flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
@@ -616,7 +626,7 @@ class Queue(Stage):
             if reader_link is None:
                 self.reply(out, {"op": "error", "code": 541, "text": "INTERNAL_ERROR - no delivery link"})
                 return
-            self.get_links[channel] = (reader_link, op["channel"])
+            self.channel_links[channel] = (reader_link, op["channel"])
             self.channel_reader[channel] = op["reader"]
             self.do(core.get(channel, now, no_ack=op["no_ack"]))
             self.done(out, reader_link)
@@ -628,6 +638,8 @@ class Queue(Stage):
             self.reply(out, {"op": "purge_ok", "message_count": count, "nowait": op.get("nowait", False)})
         elif kind == "qos_global":
             core.set_channel_prefetch(channel, op["count"])
+        elif kind == "permits":
+            core.grant(channel, op["count"])
         elif kind == "channel_closed":
             self.channel_closed(channel)
         elif kind == "recover":
@@ -651,6 +663,7 @@ class Queue(Stage):
             return
         self.consumers[key] = ConsumerInfo(reader_link, op["channel"], op["ctag"])
         self.channel_reader[channel] = op["reader"]
+        self.channel_links[channel] = (reader_link, op["channel"])
         if not op.get("nowait"):
             reader_link.put(wire.encode_frames(frames.encode_reply(
                 op["channel"], commands.Basic.ConsumeOk, consumer_tag=op["ctag"])))
@@ -660,7 +673,7 @@ class Queue(Stage):
         """A channel closed (or its process or connection went): its consumers go, its unacked come back."""
         for key in [k for k in self.consumers if k[0] == channel]:
             del self.consumers[key]
-        self.get_links.pop(channel, None)
+        self.channel_links.pop(channel, None)
         self.channel_reader.pop(channel, None)
         self.do(self.core.channel_closed(channel, time.monotonic_ns()))
 

@@ -27,6 +27,7 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed,
                                       CloseRequested, HeartbeatTimeout, Method, ProtocolError, Publish, ServerConnection)
+from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
@@ -38,13 +39,15 @@ ALARM_SOURCES = {1: MEMORY, 2: DISK}
 BASIC_ACK = (60, 80)
 BASIC_REJECT = (60, 90)
 BASIC_NACK = (60, 120)
+BASIC_QOS = (60, 10)
+LIMITER_OPS = ("want", "give_back")      # from queues: permits of a channel's global limit
 CONFIRM_SELECT = (85, 10)
 
 
 class ChannelSlot:
     """What the reader keeps per open AMQP channel."""
 
-    __slots__ = ("number", "out", "inp", "confirm", "seq", "next_tag", "unacked", "ready")
+    __slots__ = ("number", "out", "inp", "confirm", "seq", "next_tag", "unacked", "gets", "limit", "ready")
 
     def __init__(self, number: int):
         self.number = number
@@ -56,7 +59,13 @@ class ChannelSlot:
         # delivery tag -> (the queue's delivery link, message id); a tag whose link is gone was
         # delivered by a queue process that ended: its ack has nobody to go to
         self.unacked: collections.OrderedDict[int, tuple[int, int]] = collections.OrderedDict()
+        self.gets: set[int] = set()          # the unacked tags that came by basic.get
+        self.limit: ChannelLimit | None = None   # basic.qos global=true, once the client set one
         self.ready = False
+
+    def consumer_unacked(self) -> int:
+        """What the channel's global limit counts: unacked deliveries to consumers (not basic.get's)."""
+        return len(self.unacked) - len(self.gets)
 
 
 class Reader(Stage):
@@ -335,6 +344,10 @@ class Reader(Stage):
             return
         if key == CONFIRM_SELECT:
             slot.confirm = True
+        elif key == BASIC_QOS and ev.method.global_:
+            if slot.limit is None:
+                slot.limit = ChannelLimit()
+            self.grant(slot, slot.limit.set_limit(ev.method.prefetch_count, slot.consumer_unacked()))
         slot.out.put(wire.encode_method(ev.payload))
 
     def settle(self, slot: ChannelSlot, tag: int, multiple: bool, flags: int) -> None:
@@ -350,6 +363,8 @@ class Reader(Stage):
                     break
                 link_id, msg_id = unacked.pop(first)
                 by_link.setdefault(link_id, []).append(msg_id)
+                if slot.gets:
+                    slot.gets.discard(first)
         else:
             entry = unacked.pop(tag, None)
             if entry is None:
@@ -357,10 +372,34 @@ class Reader(Stage):
                                         60, 80)
                 return
             by_link[entry[0]] = [entry[1]]
+            if slot.gets:
+                slot.gets.discard(tag)
         for link_id, ids in by_link.items():
             queue = self.queue_links.get(link_id)
             if queue is not None:
                 slot.out.put(wire.encode_ack(flags, queue, ids))
+        if slot.limit is not None and slot.limit.waiting:
+            self.grant(slot, slot.limit.settled(slot.consumer_unacked()))
+
+    def grant(self, slot: ChannelSlot, grants) -> None:
+        """Permits for queues waiting on the channel's global limit; they go by the channel, as acks do."""
+        if slot.out is None:
+            return
+        for link_id, count in grants:
+            queue = self.queue_links.get(link_id)
+            if queue is not None:
+                slot.out.put(wire.encode_control({"op": "permits", "queue": queue.decode("utf-8", "surrogateescape"),
+                                                  "count": count}))
+
+    def on_limiter_control(self, link, msg: dict) -> None:
+        """A queue asks for permits of a channel's global limit, or gives back what it could not use."""
+        slot = self.channels.get(msg.get("channel"))
+        if slot is None or slot.limit is None or not slot.limit.active or slot.out is None:
+            return
+        if msg["op"] == "want":
+            self.grant(slot, slot.limit.want(link.link_id, msg["count"], slot.consumer_unacked()))
+        else:
+            self.grant(slot, slot.limit.give_back(link.link_id, msg["count"], slot.consumer_unacked()))
 
     def notify(self, notices) -> None:
         for notice in notices:
@@ -379,7 +418,11 @@ class Reader(Stage):
         elif kind == wire.Kind.GET_OK:
             self.on_get_ok(link, record)
         elif kind == wire.Kind.CONTROL:
-            self.on_channel_control(link, wire.decode_control(record))
+            msg = wire.decode_control(record)
+            if msg.get("op") in LIMITER_OPS and link.link_id in self.queue_links:
+                self.on_limiter_control(link, msg)
+            else:
+                self.on_channel_control(link, msg)
 
     def on_deliver(self, link, record) -> None:
         flags, channel, msg_id, ctag, off = wire.decode_deliver(record)
@@ -390,6 +433,8 @@ class Reader(Stage):
         slot.next_tag += 1
         if not flags & wire.DLV_NO_ACK:
             slot.unacked[tag] = (link.link_id, msg_id)
+            if slot.limit is not None:
+                slot.limit.used(link.link_id)
         exchange, rk, props, body = wire.content_views(record, off)
         self.conn.send_raw(frames.encode_deliver(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
                                                  exchange, rk, props, body, self.conn.frame_max))
@@ -404,6 +449,7 @@ class Reader(Stage):
         slot.next_tag += 1
         if not flags & wire.DLV_NO_ACK:
             slot.unacked[tag] = (link.link_id, msg_id)
+            slot.gets.add(tag)
         exchange, rk, props, body = wire.content_views(record, off)
         self.conn.send_raw(frames.encode_get_ok(channel, tag, bool(flags & wire.DLV_REDELIVERED), exchange, rk, count,
                                                 props, body, self.conn.frame_max))
@@ -468,6 +514,9 @@ class Reader(Stage):
 
     def on_peer_down(self, link_id: int, reason: str) -> None:
         self.queue_links.pop(link_id, None)
+        for slot in self.channels.values():
+            if slot.limit is not None and slot.limit.active:
+                self.grant(slot, slot.limit.forget(link_id, slot.consumer_unacked()))
         slot = self.by_out_link.pop(link_id, None)
         if slot is not None:          # its channel process is gone: nothing more can go to it
             slot.out = None

@@ -27,9 +27,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pipeline.broker.args import (InequivalentArgument, InvalidArgument, InvalidExpiration, QueueArgs, QueueSpec,
                                   ResourceLocked, Typed, check_redeclare, consumer_priority, parse_expiration,
                                   parse_queue_args)
-from pipeline.broker.backlog import (AccessRefused, Backlog, Confirm, DeadLetter, Death, DeleteQueue, Deliver,
-                                     Forget, GetEmpty, GetOk, Message, Nack, QueueInUse, QueueNotEmpty, ShellMisuse,
-                                     dead_letter_cycles, record_death)
+from pipeline.broker.backlog import (AccessRefused, AskPermits, Backlog, Confirm, DeadLetter, Death, DeleteQueue,
+                                     Deliver, Forget, GetEmpty, GetOk, Message, Nack, QueueInUse, QueueNotEmpty,
+                                     ReturnPermits, ShellMisuse, dead_letter_cycles, record_death)
+from pipeline.broker.limiter import ChannelLimit
 
 MS = 1_000_000
 
@@ -132,34 +133,64 @@ def test_prefetch_holds_a_consumer_at_its_limit_until_it_acks():
     assert bodies(q.deliver(clock())) == ["2"]
 
 
-def test_a_global_prefetch_is_shared_by_the_channels_consumers_and_holds_its_no_ack_ones_too_as_rabbitmq():
+def test_a_global_prefetch_is_shared_by_the_channels_queues_and_holds_its_no_ack_consumers_too_as_rabbitmq():
+    """Two queues, one channel limited to 3: the limiter's permits, not each queue, bound the channel."""
     clock = Clock()
-    q = queue(clock)
-    for i in range(6):
-        q.publish(m(str(i)), clock())
-    q.set_channel_prefetch("ch", 3)
-    q.consume("a", "ch", clock())
-    assert [(d.consumer, d.message.payload) for d in q.deliver(clock())] == [("a", "0"), ("a", "1"), ("a", "2")]
-    q.consume("b", "ch", clock())
-    assert q.deliver(clock()) == []
-    q.consume("auto", "ch", clock(), no_ack=True)
-    assert q.deliver(clock()) == []                 # RabbitMQ's limiter holds a no-ack consumer too
-    q.set_channel_prefetch("ch", 0)                 # basic.qos global=false clears the channel's limit
-    assert [(d.consumer, d.message.payload) for d in q.deliver(clock())] == [("a", "3"), ("b", "4"),
-                                                                            ("auto", "5")]
+    limit = ChannelLimit()
+    limit.set_limit(3, unacked=0)
+    one, two = queue(clock), queue(clock)
+    for q in (one, two):
+        for i in range(5):
+            q.publish(m(str(i)), clock())
+        q.set_channel_prefetch("ch", 3)
+    one.consume("a", "ch", clock())
+    two.consume("b", "ch", clock())
+    assert one.deliver(clock()) == [AskPermits("ch", 5)] and two.deliver(clock()) == [AskPermits("ch", 5)]
+    assert one.deliver(clock()) == []                      # asked once, until answered
+    assert limit.want("one", 5, unacked=0) == [("one", 3)] and limit.want("two", 5, unacked=0) == []
+    one.grant("ch", 3)
+    delivered = one.deliver(clock())
+    assert bodies(delivered[:3]) == ["0", "1", "2"] and delivered[3:] == [AskPermits("ch", 2)]
+    for _ in range(3):
+        limit.used("one")
+    one.ack("ch", [delivered[0].message.id, delivered[1].message.id])
+    assert limit.settled(unacked=1) == [("two", 2)]        # the queue that asked first, then the next
+    two.grant("ch", 2)
+    assert bodies(two.deliver(clock())[:2]) == ["0", "1"]
+    one.consume("auto", "ch", clock(), no_ack=True)
+    assert one.deliver(clock()) == []                      # RabbitMQ's limiter holds a no-ack consumer too
+    for q in (one, two):
+        q.set_channel_prefetch("ch", 0)                    # basic.qos global=true prefetch_count=0 lifts it
+    assert [(d.consumer, d.message.payload) for d in one.deliver(clock())] == [("a", "3"), ("auto", "4")]
 
 
-def test_acking_below_a_global_prefetch_lets_the_next_consumer_in_turn_take_one():
+def test_permits_a_queue_cannot_use_go_back_to_the_limiter():
     clock = Clock()
     q = queue(clock)
-    q.set_channel_prefetch("ch", 2)
+    q.set_channel_prefetch("ch", 4)
     q.consume("a", "ch", clock())
-    q.consume("b", "ch", clock())
-    for i in range(4):
-        q.publish(m(str(i)), clock())
-    assert q.statistics().messages_unacknowledged == 2
-    q.ack("ch", [1])
-    assert [d.consumer for d in q.deliver(clock())] == ["a"]
+    q.publish(m("0"), clock())
+    assert q.deliver(clock()) == [AskPermits("ch", 1)]
+    q.grant("ch", 4)
+    [delivered, back] = q.deliver(clock())
+    assert bodies([delivered]) == ["0"] and back == ReturnPermits("ch", 3)
+    q.grant("ch", 2)                                       # arrives after its messages are gone
+    assert q.deliver(clock()) == [ReturnPermits("ch", 2)]
+
+
+def test_a_channel_limit_waits_for_acks_across_queues():
+    limit = ChannelLimit()
+    assert limit.want("q1", 2, unacked=0) == []            # no limit set: nothing to grant
+    limit.set_limit(2, unacked=1)                          # as RabbitMQ, what is unacked already counts
+    assert limit.want("q1", 5, unacked=1) == [("q1", 1)]
+    assert limit.want("q2", 5, unacked=1) == []
+    limit.used("q1")
+    assert limit.settled(unacked=2) == []
+    assert limit.settled(unacked=0) == [("q2", 2)]
+    assert limit.give_back("q2", 2, unacked=0) == []
+    assert limit.want("q1", 1, unacked=0) == [("q1", 1)]
+    assert limit.forget("q1", unacked=0) == [] and limit.free(unacked=0) == 2
+    assert limit.set_limit(0, unacked=0) == [] and not limit.out and not limit.waiting
 
 
 def test_room_on_the_transport_bounds_each_delivery_round():
@@ -733,7 +764,9 @@ class QueueMachine(RuleBasedStateMachine):
         self.consumers: dict[str, dict] = {}
         self.next_consumer = 0
         self.exclusive = None
-        self.limits: dict[str, int] = {}
+        self.limits: dict[str, int] = {}         # the most a channel may hold while permits are out
+        self.limiters: dict[str, ChannelLimit] = {}
+        self.grants: list[tuple[str, int]] = []  # permits on their way from a limiter to the queue
         self.answers: dict[tuple, list] = {}     # (publisher, seq) -> [Confirm/Nack, ...]
         self.refused: set[tuple] = set()
         self.unsafe: set[int] = set()            # ids whose confirm waits for mark_safe or their end
@@ -770,6 +803,14 @@ class QueueMachine(RuleBasedStateMachine):
                 self.unsafe.discard(a.seq)
                 continue
             assert not isinstance(a, DeleteQueue), "no auto_delete or x-expires here"
+            if isinstance(a, (AskPermits, ReturnPermits)):
+                lim = self.limiters[a.channel]
+                assert lim.active, "permits asked or given back for a channel without a limit"
+                if isinstance(a, AskPermits):
+                    self.send(a.channel, lim.want("q", a.want, self.consumer_held(a.channel)))
+                else:
+                    self.send(a.channel, lim.give_back("q", a.count, self.consumer_held(a.channel)))
+                continue
             if isinstance(a, GetEmpty):
                 assert not self.ready()
                 continue
@@ -791,6 +832,9 @@ class QueueMachine(RuleBasedStateMachine):
                         assert len(mine) < c["prefetch"], "over the consumer's prefetch"
                     if self.limits.get(c["channel"]):
                         assert len(theirs) < self.limits[c["channel"]], "over the channel's limit"
+                    lim = self.limiters.get(c["channel"])
+                    if lim is not None and lim.active and not c["no_ack"]:
+                        lim.used("q")
                     if room is not None:
                         used[c["transport"]] = used.get(c["transport"], 0) + 1
                         assert used[c["transport"]] <= room.get(c["transport"], 0), "over the transport's room"
@@ -818,6 +862,17 @@ class QueueMachine(RuleBasedStateMachine):
             self.state[msg.id] = ("gone", how)
         if new is not None:
             assert self.state[new.id] != "new", "a publish left its message nowhere"
+        for channel, lim in self.limiters.items():
+            if lim.waiting:
+                self.send(channel, lim.settled(self.consumer_held(channel)))
+            if not lim.out:
+                self.limits[channel] = lim.limit
+
+    def consumer_held(self, channel) -> int:
+        return sum(1 for i in self.held(channel) if self.state[i][2] is not None)
+
+    def send(self, channel, grants) -> None:
+        self.grants.extend((channel, n) for _, n in grants)
 
     # -- rules -----------------------------------------------------------------------------------------------
     @precondition(started)
@@ -890,8 +945,20 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(started)
     @rule(channel=st.sampled_from(CHANNELS), limit=st.sampled_from([0, 1, 1, 2]))
     def set_channel_prefetch(self, channel, limit):
+        for ch, n in [g for g in self.grants if g[0] == channel]:   # ahead of it on the channel's ring
+            self.q.grant(ch, n)
+        self.grants = [g for g in self.grants if g[0] != channel]
+        lim = self.limiters.setdefault(channel, ChannelLimit())
+        old = self.limits.get(channel, 0)
+        self.send(channel, lim.set_limit(limit, self.consumer_held(channel)))
         self.q.set_channel_prefetch(channel, limit)
-        self.limits[channel] = limit
+        self.limits[channel] = max(old, limit) if old and limit else limit
+
+    @precondition(lambda self: started(self) and self.grants)
+    @rule()
+    def permits_arrive(self):
+        channel, n = self.grants.pop(0)
+        self.q.grant(channel, n)
 
     @precondition(lambda self: started(self) and self.ready() and self.consumers)
     @rule(room=rooms)
@@ -953,6 +1020,8 @@ class QueueMachine(RuleBasedStateMachine):
             if self.exclusive == key:
                 self.exclusive = None
         self.limits.pop(channel, None)
+        self.limiters.pop(channel, None)
+        self.grants = [g for g in self.grants if g[0] != channel]
         held = self.held(channel)
         actions = self.q.channel_closed(channel, self.t)
         self.put_back(held)

@@ -29,8 +29,11 @@ pays for the heap.
 first, round-robin within a priority. A consumer that cannot take a message
 leaves the rotation and rejoins at the back when the reason goes: its own
 prefetch (``basic.qos`` per consumer, acks only), its channel's limit
-(``basic.qos global=true``: the channel's unacked deliveries from this
-queue; as RabbitMQ's limiter, it holds no-ack consumers too), or no room on
+(``basic.qos global=true``, counted across all the channel's queues by the
+reader's ``limiter.ChannelLimit``: the queue delivers only while it holds a
+permit, spends one per delivery needing an ack, asks for more with
+``AskPermits`` and hands back what it cannot use with ``ReturnPermits``; as
+RabbitMQ's limiter, it holds no-ack consumers too), or no room on
 its transport. Room is the shell's knowledge: ``deliver`` and ``publish``
 take a dict ``transport -> deliveries it can take now`` and spend it
 (``None``: unlimited). A message is checked at the head before each delivery
@@ -71,7 +74,7 @@ A consumer's (``BLOCKED_BY``: the reason it is out of the rotation)::
     ---------  -------------------------------------  ----------------------------------
     active     cannot take: transport full            room     (rejoins at the next deliver/publish)
     active     cannot take: own prefetch reached      prefetch (rejoins when one of its own is settled)
-    active     cannot take: channel limit reached     channel  (rejoins when the channel drops below it)
+    active     cannot take: no permit from its channel channel (rejoins when the limiter grants some)
     any        cancel, channel closed                 cancelled
 
 The queue's lifecycle facts: ``auto_delete`` asks for deletion
@@ -86,10 +89,7 @@ prefetch, priorities under max-length, TTL 0 with and without consumers,
 reject-publish with a waiting consumer, ``x-death`` shapes, cycles and every
 reply text.
 
-Deliberate differences: the channel limit counts this queue's deliveries
-only (RabbitMQ's limiter spans every queue the channel consumes from; the
-shell can narrow ``room`` for that), and a ``basic.get`` never counts
-towards it; single active consumer and AMQP 1.0 credit are not modelled.
+Not modelled: single active consumer and AMQP 1.0 credit.
 """
 
 from __future__ import annotations
@@ -241,6 +241,20 @@ class DeadLetter:
 
 
 @dataclass(frozen=True, slots=True)
+class AskPermits:
+    """``channel``'s consumers wait for its global limit: ask its limiter for up to ``want`` permits."""
+    channel: Hashable
+    want: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReturnPermits:
+    """Permits ``channel``'s limiter granted that this queue cannot use now: give them back."""
+    channel: Hashable
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeleteQueue:
     """The queue should go now (``auto_delete``: its last consumer left; ``expires``: unused too long)."""
     reason: str
@@ -284,18 +298,20 @@ class _Consumer:
 
 
 class _Channel:
-    __slots__ = ("key", "prefetch", "unacked", "held", "consumers", "waiting")
+    __slots__ = ("key", "limited", "permits", "asked", "unacked", "held", "consumers", "waiting")
 
     def __init__(self, key):
         self.key = key
-        self.prefetch = 0              # basic.qos global=true; 0: none
+        self.limited = False           # basic.qos global=true with a count: deliveries need permits
+        self.permits = 0               # granted by the channel's limiter, not yet used
+        self.asked = False             # an AskPermits is out, not yet answered
         self.unacked = 0               # deliveries to its consumers with ack, not yet settled
         self.held: dict = {}           # message id -> (Message, _Consumer or None for basic.get)
         self.consumers = 0
         self.waiting: list = []        # its consumers blocked by its limit, in order
 
     def full(self) -> bool:
-        return bool(self.prefetch) and self.unacked >= self.prefetch
+        return self.limited and self.permits <= 0
 
 
 class _Level:
@@ -337,6 +353,7 @@ class Backlog:
         self._priorities: list[int] = []       # priorities with a non-empty rotation, highest first
         self._room_blocked: list = []
         self._channels: dict = {}
+        self._limited: list = []       # channels under basic.qos global=true
         self._exclusive = None         # key of the exclusive consumer
         self._had_consumers = False
         self._expires_ns = None if args.expires_ms is None else args.expires_ms * NS_PER_MS
@@ -586,7 +603,7 @@ class Backlog:
                 if room is not None and room.get(c.transport, 0) <= 0:
                     c.blocked = ROOM
                     self._room_blocked.append(c)
-                elif c.channel.prefetch and c.channel.unacked >= c.channel.prefetch:
+                elif c.channel.limited and c.channel.permits <= 0:
                     c.blocked = CHANNEL
                     c.channel.waiting.append(c)
                 elif c.prefetch and not c.no_ack and c.unacked >= c.prefetch:
@@ -615,6 +632,8 @@ class Backlog:
         c.unacked += 1
         ch = c.channel
         ch.unacked += 1
+        if ch.limited:
+            ch.permits -= 1
         ch.held[msg.id] = (msg, c)
         self._unacked += 1
         self._unacked_bytes += msg.size
@@ -623,7 +642,7 @@ class Backlog:
     def deliver(self, now_ns: int, room: dict | None = None):
         """Hand ready messages to consumers while one can take them; expired heads go first."""
         if not self._ready or not self._consumers:
-            return NO_ACTIONS
+            return self._settle_permits([]) if self._limited else NO_ACTIONS
         if self._room_blocked:
             self._unblock_room()
         actions: list = []
@@ -636,6 +655,21 @@ class Backlog:
             if c is None:
                 break
             self._hand_over(c, self._pop_head(), room, actions)
+        if self._limited:
+            self._settle_permits(actions)
+        return actions
+
+    def _settle_permits(self, actions: list) -> list:
+        """After a delivery round: permits left over go back to their limiter (a queue never sits on
+        what another queue of the channel could deliver with); consumers held only by their channel's
+        limit ask for as many as there are ready messages."""
+        for ch in self._limited:
+            if ch.permits > 0:
+                actions.append(ReturnPermits(ch.key, ch.permits))
+                ch.permits = 0
+            if ch.waiting and not ch.asked and self._ready:
+                ch.asked = True
+                actions.append(AskPermits(ch.key, self._ready))
         return actions
 
     # -- channels: basic.qos, basic.get, acks ------------------------------------------------------
@@ -646,9 +680,24 @@ class Backlog:
         return ch
 
     def set_channel_prefetch(self, channel: Hashable, count: int) -> None:
-        """``basic.qos global=true`` (``count`` 0: none; ``global=false`` also clears it, as RabbitMQ)."""
+        """``basic.qos global=true`` (``count`` 0: none). Under a limit, deliveries to the channel's
+        consumers wait for permits from its limiter (``grant``); lifting it drops them."""
         ch = self._channel(channel)
-        ch.prefetch = count
+        if count and not ch.limited:
+            ch.limited = True
+            self._limited.append(ch)
+        elif not count and ch.limited:
+            ch.limited, ch.permits, ch.asked = False, 0, False
+            self._limited.remove(ch)
+        self._wake_channel(ch)
+
+    def grant(self, channel: Hashable, count: int) -> None:
+        """The channel's limiter answered an ``AskPermits``: ``count`` more deliveries may go."""
+        ch = self._channels.get(channel)
+        if ch is None or not ch.limited:
+            return
+        ch.permits += count
+        ch.asked = False
         self._wake_channel(ch)
 
     def _wake_channel(self, ch: _Channel) -> None:
@@ -755,6 +804,8 @@ class Backlog:
         ch = self._channels.pop(channel, None)
         if ch is None:
             return NO_ACTIONS
+        if ch.limited:
+            self._limited.remove(ch)
         had = ch.consumers
         for c in [c for c in self._consumers.values() if c.channel is ch]:
             del self._consumers[c.key]
