@@ -185,3 +185,32 @@ def test_a_publish_sent_after_ctl_returns_meets_the_alarm(broker):
         w.pump(0.5)
         assert w.events == ["blocked:low on memory", "unblocked"]
         w.conn.close()
+
+
+def test_dead_lettering_waits_for_the_alarm_to_clear(broker):
+    """Dead-lettered copies are publishes too: during a memory alarm they stay with their source queue
+    (RabbitMQ lets them through, its issue #14657), and all of them arrive once it clears."""
+    w = Watched(broker)
+    w.ch.queue_declare("dlq")
+    w.ch.queue_declare("src", arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": "dlq"})
+    for i in range(20):
+        w.ch.basic_publish("", "src", b"m%d" % i)
+    broker.wait_for(lambda s: s["processes"]["queue-src"].get("enqueued") == 20, what="20 enqueued")
+    ctl(broker, "set_watermark", "0")
+    rejected = 0
+    for method, _, _body in w.ch.consume("src", inactivity_timeout=2):
+        if method is None:
+            break
+        w.ch.basic_reject(method.delivery_tag, requeue=False)
+        rejected += 1
+        if rejected == 20:
+            break
+    w.ch.cancel()
+    w.pump(1.0)
+    assert rejected == 20
+    assert w.ch.queue_declare("dlq", passive=True).method.message_count == 0
+    assert w.ch.queue_declare("src", passive=True).method.message_count == 0
+    ctl(broker, "set_watermark", "0.6")
+    broker.wait_for(lambda s: s["processes"]["queue-dlq"].get("enqueued") == 20, what="the copies to arrive")
+    assert w.ch.queue_declare("dlq", passive=True).method.message_count == 20
+    w.conn.close()
