@@ -69,6 +69,13 @@ def max_message_arg(text: str) -> int:
     return value
 
 
+def user_arg(text: str) -> tuple[str, str]:
+    name, sep, password = text.partition(":")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME:PASSWORD, got {text!r}")
+    return name, password
+
+
 def pos_int(text: str) -> int:
     value = nonneg_int(text)
     if value == 0:
@@ -125,6 +132,9 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--frame-max", type=pos_int, default=131072)
     g.add_argument("--channel-max", type=pos_int, default=2047)
     g.add_argument("--connection-max", type=pos_int, default=1000)
+    g.add_argument("--handshake-timeout", type=nonneg_seconds, default=10.0,
+                   help="seconds a client has from its TCP connect to connection.open (RabbitMQ's "
+                        "handshake_timeout, default 10; 0: none)")
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
                    help="on (default): statistics snapshots every 100 ms and state samples in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
@@ -143,6 +153,7 @@ def broker_config(args, data_dir: str, port: int):
         channel_delay_us=args.channel_delay_us, queue_delay_us=args.queue_delay_us,
         store_delay_us=args.store_delay_us, heartbeat_s=args.heartbeat, frame_max=args.frame_max,
         channel_max=args.channel_max, connection_max=args.connection_max,
+        handshake_timeout_s=args.handshake_timeout,
         max_message_bytes=args.max_message_bytes, ring_bytes=ring_bytes,
         fsync_interval_ms=args.fsync_interval_ms, fsync_delay_ms=args.fsync_delay_ms,
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
@@ -165,6 +176,11 @@ def build_parser() -> Parser:
     serve.add_argument("--cert", default=None, help="PEM certificate (chain) for --tls-port")
     serve.add_argument("--key", default=None, help="PEM private key for --tls-port")
     serve.add_argument("--data-dir", default="creditflow-data")
+    serve.add_argument("--user", type=user_arg, action="append", default=[], metavar="NAME:PASSWORD",
+                       help="a user who may log in (repeatable), beside guest/guest; NAME guest changes its password")
+    serve.add_argument("--loopback-users", default="guest", metavar="NAMES",
+                       help="RabbitMQ's loopback_users: comma-separated users who may log in only over "
+                            "loopback (default guest; none: no such restriction)")
     add_broker_options(serve)
 
     run = sub.add_parser("run", help="broker + PerfTest-style load, per-second lines, summary.json")
@@ -254,6 +270,8 @@ def cmd_serve(args) -> int:
         cfg.tls_port, cfg.tls_cert, cfg.tls_key = args.tls_port, os.path.abspath(args.cert), os.path.abspath(args.key)
     elif args.cert or args.key:
         raise UsageError("creditflow serve: --cert and --key go with --tls-port")
+    cfg.users = {"guest": "guest", **dict(args.user)}
+    cfg.loopback_users = tuple(n for n in args.loopback_users.split(",") if n and args.loopback_users != "none")
     return run_broker(cfg)
 
 

@@ -25,8 +25,9 @@ from ipc import control
 from ipc.tokens import Kind as TokenKind
 from pipeline import wire
 from pipeline.amqp import frames
-from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed,
-                                      CloseRequested, HeartbeatTimeout, Method, ProtocolError, Publish, ServerConnection)
+from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed, CloseRequested,
+                                      HandshakeTimeout, HeartbeatTimeout, Method, ProtocolError, Publish,
+                                      ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
@@ -34,6 +35,7 @@ from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 RECV_BYTES = 128 * 1024
 OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
 CLOSE_TIMEOUT_NS = 1_000_000_000
+LOGIN_REFUSED_DELAY_NS = 3_000_000_000   # RabbitMQ's SILENT_CLOSE_DELAY for clients it does not trust
 ALARM_SOURCES = {1: MEMORY, 2: DISK}
 
 BASIC_ACK = (60, 80)
@@ -72,9 +74,8 @@ class Reader(Stage):
     kind = "reader"
 
     def __init__(self, name: str, ctl_sock, inbox_fd: int, doorbell_fd: int, credit_spec,
-                 sock: socket.socket, *, node_name: str, heartbeat_s: int, frame_max: int,
-                 channel_max: int, max_message_bytes: int, refuse: str | None = None,
-                 alarms: list[str] = ()):
+                 sock: socket.socket, *, connection: dict, alarms: list[str] = ()):
+        """``connection``: ServerConnection's keyword arguments (limits, users, timeouts, the peer)."""
         super().__init__(name, ctl_sock, inbox_fd, doorbell_fd, credit_spec)
         self.sock = sock
         sock.setblocking(False)
@@ -82,9 +83,7 @@ class Reader(Stage):
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.handshaking = self.tls          # TLS: the handshake runs in this loop, never blocking it
         now = time.monotonic_ns()
-        self.conn = ServerConnection(node_name=node_name, heartbeat_s=heartbeat_s,
-                                     frame_max=frame_max, channel_max=channel_max,
-                                     max_message_bytes=max_message_bytes, now_ns=now, refuse_open=refuse)
+        self.conn = ServerConnection(now_ns=now, **connection)
         self.throttle = Throttle()
         for reason in alarms:
             self.throttle.set_reason(reason, True)
@@ -98,6 +97,7 @@ class Reader(Stage):
         self.interest = 0
         self.eof = False
         self.closing_since_ns: int | None = None
+        self.quiet_until_ns = 0              # a refused login is answered (or dropped) only then
         self.publishes = 0
         self.deliveries = 0
         self.last_publish_ns = 0
@@ -244,9 +244,15 @@ class Reader(Stage):
             if isinstance(event, HeartbeatTimeout):
                 self.log("missed heartbeats from client, timeout")
                 self.finish()
+            elif isinstance(event, HandshakeTimeout):
+                self.log("closing AMQP connection: handshake_timeout (no connection.open in time)")
+                self.finish()
         if self.conn.state == "client_closing" and (
                 not self.channels or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS // 2):
             self.conn.send_close_ok()      # every channel has said its last (or took too long)
+        if now_ns < self.quiet_until_ns:
+            self._set_interest()
+            return
         self.write_out()
         if self.closing_since_ns is not None and (
                 not self.outbuf and self.conn.state == "closed"
@@ -257,7 +263,7 @@ class Reader(Stage):
     def timeout_s(self, now_ns: int) -> float | None:
         if self.closing_since_ns is not None:
             return 0.1
-        return 0.5 if self.conn.heartbeat_s else None
+        return 0.5 if self.conn.heartbeat_s or self.conn.state != "open" else None
 
     def parse(self, now_ns: int) -> None:
         conn = self.conn
@@ -325,8 +331,14 @@ class Reader(Stage):
         elif isinstance(ev, (CloseRequested, Closed)):
             self.finish()
         elif isinstance(ev, ProtocolError):
+            if self.conn.login_refused:
+                # as RabbitMQ with a client it does not trust: answer (or drop) it only after a while
+                self.log(self.conn.login_refused)
+                self.quiet_until_ns = now_ns + LOGIN_REFUSED_DELAY_NS
             self.log(f"closing AMQP connection: {ev.reply_code} {ev.reply_text}")
             self.finish()
+            if self.quiet_until_ns:
+                self.closing_since_ns = self.quiet_until_ns     # the close handshake's time starts then
 
     def on_method(self, ev, now_ns: int) -> None:
         slot = self.channels.get(ev.channel)

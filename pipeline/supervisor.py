@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import ipaddress
 import json
 import os
 import selectors
@@ -90,6 +91,9 @@ class BrokerConfig:
     frame_max: int = 131072
     channel_max: int = 2047
     connection_max: int = 1000
+    handshake_timeout_s: float = 10.0       # RabbitMQ's handshake_timeout: TCP connect to connection.open
+    users: dict = field(default_factory=lambda: {"guest": "guest"})
+    loopback_users: tuple = ("guest",)      # RabbitMQ's loopback_users
     max_message_bytes: int = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
     ring_bytes: int = RING_BYTES
     fsync_interval_ms: int = 200
@@ -133,6 +137,16 @@ class LinkRec:
     flow: bool
 
 
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1, or 127.x seen through an IPv4-mapped IPv6 address."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
@@ -158,7 +172,11 @@ class Supervisor:
     def __init__(self, cfg: BrokerConfig, *, out=None):
         self.cfg = cfg
         self.out = out or sys.stdout
+        # message bodies are the users' data: only the broker's owner reads the data directory, its
+        # segments, journals, pages and definitions (every process started from here inherits the umask)
+        os.umask(0o077)
         os.makedirs(cfg.data_dir, mode=0o700, exist_ok=True)
+        os.chmod(cfg.data_dir, 0o700)
         removed = shm.cleanup_stale()
         self.run_id = shm.new_run_id()
         self.owner = shm.SegmentOwner(self.run_id)
@@ -438,15 +456,17 @@ class Supervisor:
         peer = f"{addr[0]}:{addr[1]} -> {here[0]}:{here[1]}"
         context = self.tls if tls else None
 
-        def factory(ctl, inbox, bell, fd=fd, name=name, refuse=refuse, alarms=alarms):
+        connection = {"node_name": cfg.node, "heartbeat_s": cfg.heartbeat_s, "frame_max": cfg.frame_max,
+                      "channel_max": cfg.channel_max, "max_message_bytes": cfg.max_message_bytes,
+                      "refuse_open": refuse, "handshake_timeout_s": cfg.handshake_timeout_s, "users": cfg.users,
+                      "loopback_users": frozenset(cfg.loopback_users), "peer_is_loopback": is_loopback(addr[0])}
+
+        def factory(ctl, inbox, bell, fd=fd, name=name, connection=connection, alarms=alarms):
             from pipeline.reader import Reader
             conn = socket.socket(fileno=fd)
             if context is not None:
                 conn = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-            return Reader(name, ctl, inbox, bell, cfg.credit, conn,
-                          node_name=cfg.node, heartbeat_s=cfg.heartbeat_s, frame_max=cfg.frame_max,
-                          channel_max=cfg.channel_max, max_message_bytes=cfg.max_message_bytes,
-                          refuse=refuse, alarms=alarms)
+            return Reader(name, ctl, inbox, bell, cfg.credit, conn, connection=connection, alarms=alarms)
         proc = self.spawn(name, "reader", factory, extra_keep=(fd,), peer=peer)
         os.close(fd)                 # the reader has its own copy now (or, if none started, the client is dropped)
         if proc is not None:

@@ -997,7 +997,7 @@ class OneConnectionServer:
                 return
             with sock:
                 sock.settimeout(0.05)
-                conn = self.conn = ServerConnection(**self.kwargs)
+                conn = self.conn = ServerConnection(now_ns=time.monotonic_ns(), **self.kwargs)
                 while not self.stop.is_set() and conn.state != "closed":
                     try:
                         conn.receive_data(sock.recv(65536))

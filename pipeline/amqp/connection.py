@@ -7,7 +7,7 @@ asking, and everything after stays as unparsed bytes, which is how
 back-pressure reaches the client's socket. Replies it makes itself
 (handshake, heartbeats, close handshakes, errors) and the frames the reader
 asks it to send pile up until ``data_to_send`` takes them. Time is passed in
-(``now_ns``) and only matters for heartbeats.
+(``now_ns``) and only matters for heartbeats and the handshake timeout.
 
 Connection states (``_TRANSITIONS`` is the whole table)::
 
@@ -16,6 +16,7 @@ Connection states (``_TRANSITIONS`` is the whole table)::
     starting/tuning/opening/open --we send connection.close--> closing --close-ok--> closed
     starting/tuning/opening/open --client's connection.close (close-ok queued)--> closed
     any state --EOF, heartbeat timeout, bad header, refused login--> closed
+    awaiting_header..opening --handshake_timeout without connection.open--> closed
 
 Channel states::
 
@@ -177,8 +178,13 @@ class HeartbeatTimeout:
     """The client sent nothing for more than two heartbeat intervals while the monitor was running."""
 
 
+@dataclass(frozen=True, slots=True)
+class HandshakeTimeout:
+    """The client did not reach connection.open within ``handshake_timeout`` (RabbitMQ's, 10 s): dropped."""
+
+
 Event = Union[Publish, Opened, ChannelOpen, ChannelClose, ChannelCloseOk, ChannelError, Method, CloseRequested,
-              Closed, ProtocolError, HeartbeatTimeout]
+              Closed, ProtocolError, HeartbeatTimeout, HandshakeTimeout]
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,7 @@ class ConnectionStatistics:
 
 STATES = ("awaiting_header", "starting", "tuning", "opening", "open", "closing", "client_closing", "closed")
 _HANDSHAKE = ("starting", "tuning", "opening")
+_BEFORE_OPEN = ("awaiting_header", *_HANDSHAKE)
 _TRANSITIONS: dict[tuple[str, str], str] = {
     ("awaiting_header", "header"): "starting",
     ("starting", "start_ok"): "tuning",
@@ -297,7 +304,8 @@ class ServerConnection:
     def __init__(self, *, node_name: str = "creditflow@localhost", heartbeat_s: int = 60,
                  frame_max: int = 131072, channel_max: int = 2047, max_message_bytes: int = 16 * 1024 * 1024,
                  users: Mapping[str, str] = MappingProxyType({"guest": "guest"}), now_ns: int = 0,
-                 refuse_open: str | None = None):
+                 refuse_open: str | None = None, handshake_timeout_s: float = 10.0,
+                 loopback_users: frozenset = frozenset({"guest"}), peer_is_loopback: bool = True):
         if frame_max and frame_max < frames.FRAME_MIN_SIZE:
             raise ValueError(f"frame_max {frame_max} is below the protocol minimum {frames.FRAME_MIN_SIZE}")
         self.node_name = node_name
@@ -307,6 +315,10 @@ class ServerConnection:
         self.server_channel_max = channel_max
         self.max_message_bytes = max_message_bytes
         self._users = dict(users)
+        # RabbitMQ's loopback_users: these may log in only over a loopback address
+        self._loopback_users = loopback_users if not peer_is_loopback else frozenset()
+        self._handshake_deadline_ns = now_ns + int(handshake_timeout_s * NS_PER_S) if handshake_timeout_s else None
+        self.login_refused: str | None = None   # why, for the log; the reader delays a refused login's answer
         self.state = "awaiting_header"
         # negotiated at tune-ok; until then RabbitMQ's initial limits apply
         self.frame_max = frames.FRAME_MIN_SIZE
@@ -620,7 +632,9 @@ class ServerConnection:
                 E.COMMAND_INVALID, f"unknown authentication mechanism '{mechanism}'"), *frames.CONNECTION_START_OK)
         user, password = _credentials(mechanism, method.response)
         if user not in self._users or self._users[user] != password:
-            return self._refuse_login(mechanism)
+            return self._refuse_login(mechanism, f"user '{user}' - invalid credentials")
+        if user in self._loopback_users:
+            return self._refuse_login(mechanism, f"user '{user}' can only connect via localhost")
         self.user = user
         self._method(0, commands.Connection.Tune(channel_max=self.server_channel_max,
                                                  frame_max=self.server_frame_max,
@@ -628,11 +642,12 @@ class ServerConnection:
         self._advance("start_ok")
         return None
 
-    def _refuse_login(self, mechanism: str) -> ProtocolError:
+    def _refuse_login(self, mechanism: str, why: str) -> ProtocolError:
         # RabbitMQ sends connection.close only to clients announcing authentication_failure_close;
         # other clients are simply disconnected, as the specification asks
         text = reply_text(E.ACCESS_REFUSED, f"Login was refused using authentication mechanism {mechanism}. "
                                             "For details see the broker logfile.")
+        self.login_refused = f"{mechanism} login refused: {why}"
         if self.capabilities.get("authentication_failure_close"):
             self.close(E.ACCESS_REFUSED, text, *frames.CONNECTION_START_OK)
         else:
@@ -916,7 +931,7 @@ class ServerConnection:
         return True
 
     # -- heartbeats -------------------------------------------------------------------------------------------
-    def tick(self, now_ns: int) -> HeartbeatTimeout | None:
+    def tick(self, now_ns: int) -> HeartbeatTimeout | HandshakeTimeout | None:
         """Queue a heartbeat if we have been quiet for half an interval; report a silent client.
 
         The client times out once nothing has arrived for more than
@@ -927,6 +942,10 @@ class ServerConnection:
         if self._fresh_bytes:
             self._fresh_bytes = False
             self._last_in_ns = now_ns
+        if self.state in _BEFORE_OPEN and self._handshake_deadline_ns is not None \
+                and now_ns >= self._handshake_deadline_ns:
+            self._advance("drop")
+            return HandshakeTimeout()
         hb = self.heartbeat_s
         if not hb or self.state not in ("opening", "open"):
             return None

@@ -1,0 +1,116 @@
+"""Who may connect and for how long, and who may read what the broker writes.
+
+RabbitMQ's rules, each against a real ``creditflow serve``: ``handshake_timeout``
+drops a client that has not reached connection.open in time; users come from
+``--user``; ``guest`` logs in only over loopback (``loopback_users``); a refused
+login is answered only after a delay; the data directory and every file in it
+are the broker owner's alone.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+
+import pika
+import pytest
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
+
+
+def closed_after(sock: socket.socket, limit_s: float) -> float | None:
+    """Seconds until the broker closed ``sock`` (EOF or reset), None if it stayed open ``limit_s``."""
+    start = time.monotonic()
+    sock.settimeout(0.2)
+    while time.monotonic() - start < limit_s:
+        try:
+            data = sock.recv(4096)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return time.monotonic() - start
+        if not data:
+            return time.monotonic() - start
+    return None
+
+
+def test_a_client_that_does_not_reach_connection_open_in_time_is_dropped(start_broker):
+    broker = start_broker("--handshake-timeout", "1")
+    silent = socket.create_connection(("127.0.0.1", broker.port))
+    header_only = socket.create_connection(("127.0.0.1", broker.port))
+    header_only.sendall(b"AMQP\x00\x00\x09\x01")
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as good:
+        for sock in (silent, header_only):
+            waited = closed_after(sock, 10)
+            assert waited is not None, "a silent socket was kept open past the handshake timeout"
+            sock.close()
+        broker.wait_for(lambda s: len([n for n, p in s["processes"].items()
+                                       if n.startswith("reader") and p["alive"]]) == 1,
+                        what="only the good connection's reader left")
+        time.sleep(1.5)
+        good.channel().queue_declare("still-here")        # an open connection is not timed
+
+
+def test_users_from_the_command_line_log_in_and_a_wrong_password_is_refused_late(start_broker):
+    broker = start_broker("--user", "alice:s3cret", "--user", "bob:")
+    for user, password in (("alice", "s3cret"), ("bob", ""), ("guest", "guest")):
+        with pika.BlockingConnection(pika.ConnectionParameters(
+                "127.0.0.1", broker.port, credentials=pika.PlainCredentials(user, password))) as conn:
+            conn.channel().queue_declare(f"{user}-q")
+    start = time.monotonic()
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError,
+                       match="ACCESS_REFUSED - Login was refused using authentication mechanism PLAIN"):
+        pika.BlockingConnection(pika.ConnectionParameters(
+            "127.0.0.1", broker.port, credentials=pika.PlainCredentials("alice", "guess"), socket_timeout=10))
+    assert time.monotonic() - start >= 2.5, "a refused login is answered only after RabbitMQ's 3 s delay"
+    assert "PLAIN login refused: user 'alice' - invalid credentials" in broker.output()
+
+
+def non_loopback_address() -> str:
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))          # no packet is sent: this only picks the outgoing interface
+        return probe.getsockname()[0]
+    finally:
+        probe.close()
+
+
+def test_guest_logs_in_only_over_loopback_as_in_rabbitmq(start_broker):
+    address = non_loopback_address()
+    assert not address.startswith("127."), "this test needs an address other than loopback"
+    broker = start_broker("--host", "0.0.0.0", "--no-ipv6", "--user", "admin:pw")
+    with pytest.raises(pika.exceptions.ProbableAuthenticationError, match="ACCESS_REFUSED"):
+        pika.BlockingConnection(pika.ConnectionParameters(address, broker.port, socket_timeout=10))
+    assert "PLAIN login refused: user 'guest' can only connect via localhost" in broker.output()
+    with pika.BlockingConnection(pika.ConnectionParameters(
+            address, broker.port, credentials=pika.PlainCredentials("admin", "pw"))) as conn:
+        conn.channel().queue_declare("remote-admin")
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        conn.channel().queue_declare("local-guest")
+    relaxed = start_broker("--host", "0.0.0.0", "--no-ipv6", "--loopback-users", "none", name="relaxed")
+    with pika.BlockingConnection(pika.ConnectionParameters(address, relaxed.port)) as conn:
+        conn.channel().queue_declare("remote-guest")
+
+
+def test_the_data_directory_and_its_files_are_the_owners_alone(start_broker):
+    broker = start_broker()
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("secrets", durable=True)
+        for i in range(20):
+            ch.basic_publish("", "secrets", b"card 4111 1111 1111 %04d" % i,
+                             pika.BasicProperties(delivery_mode=2))
+    root = broker.data_dir
+    assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+    dirs = [os.path.join(d, s) for d, ss, _ in os.walk(root) for s in ss]
+    assert any("definitions" in f for f in files) and len(files) >= 3
+    assert {f: oct(stat.S_IMODE(os.stat(f).st_mode)) for f in files
+            if stat.S_IMODE(os.stat(f).st_mode) & 0o077 and not stat.S_ISSOCK(os.stat(f).st_mode)} == {}
+    assert [d for d in dirs if stat.S_IMODE(os.stat(d).st_mode) & 0o077] == []
+    pid = broker.proc.pid
+    shm = [n for n in os.listdir("/dev/shm") if n.startswith((f"creditflow-{pid}x", f"sem.creditflow-{pid}x"))]
+    assert shm and all(stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) & 0o077 == 0 for n in shm)
