@@ -319,6 +319,8 @@ def format_status(status: dict) -> str:
             extra = f" messages={p.get('messages')} unacked={p.get('unacked')} consumers={p.get('consumers')}"
         lines.append(f"  {name:<24} {p.get('state'):<9} pid {p.get('pid')}{extra}")
     alarms = [s for s, a in status.get("alarms", {}).items() if a.get("state") == "set"]
+    if status.get("fd", {}).get("alarm"):
+        alarms.append("file_descriptor_limit")
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
     deaths = status.get("deaths", [])
     if deaths:

@@ -34,6 +34,7 @@ import errno
 import ipaddress
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -70,6 +71,9 @@ ENDED_KEPT = 256                    # ended processes whose last statistics ctl 
 DEATHS_KEPT = 1000
 TOKEN_RETRY_S = 0.01                # a full inbox pipe: try the tokens again this soon
 ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for this long
+FDS_PER_CONNECTION = 16             # what a connection with a channel holds open here (measured: ~12)
+# RabbitMQ lets sockets take 90% of the limit; here channels and queue links take descriptors too
+FD_SHARE_FOR_CONNECTIONS = 0.8
 SUPERVISOR = "creditflow_sup"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 PR_SET_NAME = 15
@@ -147,6 +151,33 @@ def is_loopback(host: str) -> bool:
     return (mapped or ip).is_loopback
 
 
+def fd_alarm(used: int, limit: int, was_set: bool) -> bool:
+    """RabbitMQ's ``file_descriptor_limit`` alarm: set when one more connection would not fit in the
+    share of the descriptor limit connections may take; cleared once two would (no flapping)."""
+    room = limit * FD_SHARE_FOR_CONNECTIONS - used
+    return room < FDS_PER_CONNECTION * (2 if was_set else 1)
+
+
+def raise_fd_limit() -> int:
+    """Take the hard descriptor limit as the soft one (as RabbitMQ's packaging raises it): each
+    connection holds a dozen descriptors here. Returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def fds_in_use() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1        # less the one listdir itself holds
+    except OSError:
+        return 0
+
+
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
@@ -203,6 +234,9 @@ class Supervisor:
         self.replies_after_tokens: list = []  # answers held until every reader has its alarm tokens
         self.paging = False
         self.accept_paused_until = 0.0
+        self.fd_limit = raise_fd_limit()
+        self.fd_alarm = False
+        self.accepting = True
         self.telemetry = telemetry.Recorder(cfg.data_dir)
         self.tls = None
         if cfg.tls_port is not None:
@@ -415,6 +449,8 @@ class Supervisor:
     def accept(self, index: int) -> None:
         listener, tls = self.listeners[index]
         while True:
+            if self.check_fds():
+                return
             try:
                 sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -425,20 +461,48 @@ class Supervisor:
                 return               # ECONNABORTED and the like: that client gave up
             self.start_reader(sock, addr, tls)
 
+    def check_fds(self) -> bool:
+        """Set or clear the file descriptor alarm; True while it is set (no connection is accepted:
+        clients wait in the listen backlog, as RabbitMQ's do, until connections close)."""
+        if self.fd_limit == resource.RLIM_INFINITY:
+            return False
+        was = self.fd_alarm
+        self.fd_alarm = fd_alarm(fds_in_use(), self.fd_limit, was)
+        if self.fd_alarm and not was:
+            self.log("warning", ["file descriptor limit alarm set.", "",
+                                 "********************************************************************",
+                                 "*** New connections will not be accepted until this alarm clears ***",
+                                 "********************************************************************"])
+            self.telemetry.event("fd_alarm_set", "supervisor", {"limit": self.fd_limit})
+        elif was and not self.fd_alarm:
+            self.log("warning", ["file descriptor limit alarm cleared"])
+            self.telemetry.event("fd_alarm_cleared", "supervisor", {"limit": self.fd_limit})
+        self.set_accepting()
+        return self.fd_alarm
+
     def pause_accepting(self, why: str) -> None:
         self.log("warning", [f"{why}; not accepting for {ACCEPT_PAUSE_S} s"])
         self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_S
-        for listener, _ in self.listeners:
-            try:
-                self.selector.unregister(listener)
-            except (KeyError, ValueError):
-                pass
+        self.set_accepting()
 
     def resume_accepting(self) -> None:
-        if self.accept_paused_until and time.monotonic() >= self.accept_paused_until and self.running:
+        if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
             self.accept_paused_until = 0.0
-            for i, (listener, _) in enumerate(self.listeners):
-                self.selector.register(listener, selectors.EVENT_READ, ("listen", i))
+            self.set_accepting()
+
+    def set_accepting(self) -> None:
+        on = self.running and not self.accept_paused_until and not self.fd_alarm
+        if on == self.accepting:
+            return
+        self.accepting = on
+        for i, (listener, _) in enumerate(self.listeners):
+            try:
+                if on:
+                    self.selector.register(listener, selectors.EVENT_READ, ("listen", i))
+                else:
+                    self.selector.unregister(listener)
+            except (KeyError, ValueError, OSError):
+                pass
 
     def start_reader(self, sock: socket.socket, addr, tls: bool = False) -> None:
         n = self.next_conn
@@ -904,7 +968,8 @@ class Supervisor:
                   for name, q in self.defs.queues.items()}
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
                 "now_ns": now, "processes": processes, "links": links, "alarms": self.alarms,
-                "deaths": self.deaths, "queues": queues}
+                "deaths": self.deaths, "queues": queues,
+                "fd": {"used": fds_in_use(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
 
     def sample(self) -> None:
         """Every SAMPLE_INTERVAL_MS: count each process's reported state (for flow_fraction)."""
@@ -1131,6 +1196,8 @@ class Supervisor:
                         next_sample = time.monotonic() + SAMPLE_INTERVAL_MS / 1000
                     self.sample()
                     self.telemetry.flush_if_due()
+                    if self.fd_alarm:
+                        self.check_fds()
         except BaseException as exc:
             self.log("error", [f"supervisor failed: {exc!r}", *traceback.format_exc().rstrip().splitlines()])
             self.exit_code = EXIT_STAGE_CRASHED

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -57,13 +58,17 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 class Broker:
     """A ``creditflow serve`` process and what a test needs to talk to it."""
 
-    def __init__(self, data_dir: Path, extra: tuple[str, ...] = ()):
+    def __init__(self, data_dir: Path, extra: tuple[str, ...] = (), nofile: int | None = None):
         self.data_dir = data_dir
         self.log_path = data_dir.parent / f"{data_dir.name}.out"
         self.log = open(self.log_path, "w")
+
+        def limit_fds():
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
         self.proc = subprocess.Popen(creditflow_cmd("serve", "--port", "0", "--data-dir", str(data_dir), *extra),
                                      stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     cwd=ROOT)
+                                     cwd=ROOT, preexec_fn=limit_fds)
         _started.append(self.proc)
         deadline = time.monotonic() + 30
         info = data_dir / "broker.json"
@@ -119,8 +124,8 @@ class Broker:
 def start_broker(tmp_path):
     brokers: list[Broker] = []
 
-    def start(*extra: str, name: str = "broker") -> Broker:
-        b = Broker(tmp_path / name, tuple(extra))
+    def start(*extra: str, name: str = "broker", nofile: int | None = None) -> Broker:
+        b = Broker(tmp_path / name, tuple(extra), nofile)
         brokers.append(b)
         return b
 

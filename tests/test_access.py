@@ -16,6 +16,7 @@ import time
 
 import pika
 import pytest
+from pika.adapters.utils.connection_workflow import AMQPConnectorException
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
@@ -114,3 +115,37 @@ def test_the_data_directory_and_its_files_are_the_owners_alone(start_broker):
     pid = broker.proc.pid
     shm = [n for n in os.listdir("/dev/shm") if n.startswith((f"creditflow-{pid}x", f"sem.creditflow-{pid}x"))]
     assert shm and all(stat.S_IMODE(os.stat(f"/dev/shm/{n}").st_mode) & 0o077 == 0 for n in shm)
+
+
+def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_broker):
+    """RabbitMQ's file_descriptor_limit alarm: past the share connections may take, the listener stops
+    accepting (clients wait in the backlog); open connections carry on; closing some lets new ones in."""
+    broker = start_broker(nofile=256)
+    conns = []
+    refused = 0
+    for i in range(40):
+        try:
+            conn = pika.BlockingConnection(pika.ConnectionParameters(
+                "127.0.0.1", broker.port, connection_attempts=1, socket_timeout=2, stack_timeout=2))
+        except (pika.exceptions.AMQPConnectionError, AMQPConnectorException):      # no answer in 2 s
+            refused += 1
+            if refused == 2:
+                break
+            continue
+        ch = conn.channel()
+        ch.queue_declare(f"q{i % 4}")
+        conns.append((conn, ch))
+    assert refused == 2 and len(conns) >= 5, (len(conns), refused)
+    status = broker.status()
+    assert status["fd"]["alarm"] is True and status["fd"]["limit"] == 256
+    assert "*** New connections will not be accepted until this alarm clears ***" in broker.output()
+    for _, ch in conns:                                  # every open connection still works
+        ch.basic_publish("", "q0", b"still going")
+    for conn, _ in conns[:6]:
+        conn.close()
+    broker.wait_for(lambda s: not s["fd"]["alarm"], what="the alarm to clear")
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        assert conn.channel().queue_declare("q0", passive=True).method.message_count == len(conns)
+    for conn, _ in conns[6:]:
+        conn.close()
+    assert "file descriptor limit alarm cleared" in broker.output()
