@@ -69,18 +69,23 @@ def test_users_from_the_command_line_log_in_and_a_wrong_password_is_refused_late
     assert "PLAIN login refused: user 'alice' - invalid credentials" in broker.output()
 
 
-def non_loopback_address() -> str:
+def non_loopback_address() -> str | None:
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         probe.connect(("192.0.2.1", 9))          # no packet is sent: this only picks the outgoing interface
-        return probe.getsockname()[0]
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
     finally:
         probe.close()
+    return None if address.startswith("127.") else address
 
 
 def test_guest_logs_in_only_over_loopback_as_in_rabbitmq(start_broker):
+    """The rule itself is tested without a network in test_amqp_connection.py; this is it end to end."""
     address = non_loopback_address()
-    assert not address.startswith("127."), "this test needs an address other than loopback"
+    if address is None:
+        pytest.skip("this machine has no address but loopback to connect from")
     broker = start_broker("--host", "0.0.0.0", "--no-ipv6", "--user", "admin:pw")
     with pytest.raises(pika.exceptions.ProbableAuthenticationError, match="ACCESS_REFUSED"):
         pika.BlockingConnection(pika.ConnectionParameters(address, broker.port, socket_timeout=10))

@@ -17,8 +17,8 @@ from pamqp import body as pbody, commands, frame, header, heartbeat
 
 from pipeline.amqp import frames
 from pipeline.amqp.connection import (CLOSING_BUFFER_MAX_BYTES, ChannelClose, ChannelCloseOk, ChannelError,
-                                      ChannelOpen, Closed, CloseRequested, ConnectionStatistics, HeartbeatTimeout,
-                                      Method, Opened, ProtocolError, Publish, ServerConnection)
+                                      ChannelOpen, Closed, CloseRequested, ConnectionStatistics, HandshakeTimeout,
+                                      HeartbeatTimeout, Method, Opened, ProtocolError, Publish, ServerConnection)
 from pipeline.amqp.errors import UsageError
 
 S = 1_000_000_000
@@ -1083,3 +1083,26 @@ def test_parsing_and_delivery_encoding_speed(capsys):
         print(f"\n  parse {parse_best:,.0f} publishes/s; encode_deliver {deliver_best:,.0f}/s")
     # far below what a laptop does: a guard against gross regressions, not a benchmark
     assert parse_best > 50_000 and deliver_best > 50_000
+
+
+def test_guest_is_refused_from_a_remote_address_and_other_users_are_not():
+    remote = ServerConnection(peer_is_loopback=False, users={"guest": "guest", "admin": "pw"})
+    remote.receive_data(frames.PROTOCOL_HEADER + start_ok())
+    ev = remote.next_event(0)
+    assert isinstance(ev, ProtocolError) and ev.reply_code == 403
+    assert remote.login_refused == "PLAIN login refused: user 'guest' can only connect via localhost"
+    admin = ServerConnection(peer_is_loopback=False, users={"guest": "guest", "admin": "pw"})
+    admin.receive_data(frames.PROTOCOL_HEADER + start_ok(response="\0admin\0pw"))
+    assert admin.next_event(0) is None and admin.state == "tuning" and admin.login_refused is None
+    anywhere = ServerConnection(peer_is_loopback=False, loopback_users=frozenset())
+    anywhere.receive_data(frames.PROTOCOL_HEADER + start_ok())
+    assert anywhere.next_event(0) is None and anywhere.state == "tuning"
+
+
+def test_a_client_that_does_not_open_within_the_handshake_timeout_is_dropped():
+    conn = ServerConnection(now_ns=0, handshake_timeout_s=10)
+    conn.receive_data(frames.PROTOCOL_HEADER + start_ok())
+    assert conn.next_event(1) is None and conn.tick(9_999_999_999) is None
+    assert isinstance(conn.tick(10_000_000_000), HandshakeTimeout) and conn.state == "closed"
+    done = opened()                                  # an open connection is never timed by it
+    assert done.tick(3_600 * 1_000_000_000) is None and done.state == "open"
