@@ -9,6 +9,12 @@ store fsyncs at least every ``SYNC_INTERVAL_MS`` while writes are pending,
 sooner when its inbox has drained and confirms wait, and tells each queue
 which of its messages are on disk (ON_DISK) so their publishers can be
 confirmed.
+
+A full disk (ENOSPC) does not stop it: the segment store holds what the disk
+refused, the store stops reading its rings (so credit runs out and flow
+control holds the queues, their channels and readers, as for a slow disk),
+reports nothing more on disk, and retries every ``DISK_FULL_RETRY_NS`` until
+the writes and their fsync succeed; then the withheld confirms go out.
 """
 
 from __future__ import annotations
@@ -20,9 +26,11 @@ from pipeline import wire
 from pipeline.channel import busy_wait_ns
 from pipeline.stage import READ_BATCH_RECORDS, Stage, read_batch_for
 from pipeline.journal import held_store_ids
+from pipeline.storage.errors import DiskFull
 from pipeline.storage.segments import FILE_SIZE_LIMIT_BYTES, SYNC_INTERVAL_MS, SegmentStore
 
 COLLECT_INTERVAL_NS = 1_000_000_000     # look for garbage at most once a second after removals
+DISK_FULL_RETRY_NS = 1_000_000_000      # a full disk: try the held writes again this often
 
 
 class Store(Stage):
@@ -53,6 +61,9 @@ class Store(Stage):
         self.fsync_events: list = []
         self.drained = True
         self.out_by_peer: dict[str, object] = {}
+        self.disk_full_since_ns: int | None = None
+        self.retry_at_ns = 0
+        self.disk_full_episodes = 0
 
     def on_link_attached(self, link) -> None:
         if link.link_id in self.in_links and self.store_spec:
@@ -73,7 +84,10 @@ class Store(Stage):
             if self.delay_ns:
                 busy_wait_ns(self.delay_ns)
             msg_id, body = wire.decode_write(record)
-            self.segments.append(msg_id, body)
+            try:
+                self.segments.append(msg_id, body)
+            except DiskFull as exc:
+                self.disk_full(exc)         # held: it is written when space comes back
             self.writes += 1
             self.unsynced.setdefault(link.link_id, []).append(msg_id)
             if self.first_unsynced_ns is None:
@@ -89,7 +103,37 @@ class Store(Stage):
         self.drained = all(link.ring.statistics().used_bytes == 0 for link in self.in_links.values())
         return handled
 
+    def wants_records(self, link) -> bool:
+        return self.disk_full_since_ns is None
+
+    def disk_full(self, exc: Exception) -> None:
+        if self.disk_full_since_ns is None:
+            self.disk_full_since_ns = time.monotonic_ns()
+            self.retry_at_ns = self.disk_full_since_ns + DISK_FULL_RETRY_NS
+            self.disk_full_episodes += 1
+            self.log_lines([f"{self.name}: disk full ({exc}): writes held in memory, confirms withheld, not "
+                            f"reading until a retry (every {DISK_FULL_RETRY_NS // 1_000_000} ms) succeeds"])
+
+    def retry(self, now_ns: int) -> None:
+        try:
+            result = self.segments.retry()
+        except DiskFull:
+            self.retry_at_ns = now_ns + DISK_FULL_RETRY_NS
+            return
+        self.log_lines([f"{self.name}: disk space is back: the held writes are on disk after "
+                        f"{(now_ns - self.disk_full_since_ns) / 1e9:.1f} s; reading again"])
+        self.disk_full_since_ns = None
+        self.fsyncs += 1
+        self.fsync_ns_total += result.duration_ns
+        self.first_unsynced_ns = None
+        self.report_on_disk()
+        self.backlog = True
+
     def after_io(self, now_ns: int) -> None:
+        if self.disk_full_since_ns is not None:
+            if now_ns >= self.retry_at_ns:
+                self.retry(now_ns)
+            return
         if self.removed_since_collect and now_ns - self.last_collect_ns >= COLLECT_INTERVAL_NS:
             self.segments.collect()
             self.removed_since_collect = 0
@@ -104,7 +148,11 @@ class Store(Stage):
             self.sync(now_ns)
 
     def sync(self, now_ns: int) -> None:
-        result = self.segments.sync()
+        try:
+            result = self.segments.sync()
+        except DiskFull as exc:
+            self.disk_full(exc)
+            return
         self.fsyncs += 1
         self.fsync_ns_total += result.duration_ns
         self.fsync_events.append((now_ns, result.duration_ns))
@@ -120,12 +168,19 @@ class Store(Stage):
         self.unsynced = {}
 
     def timeout_s(self, now_ns: int) -> float | None:
+        if self.disk_full_since_ns is not None:
+            return max(0.0, (self.retry_at_ns - now_ns) / 1e9)
         if self.first_unsynced_ns is None:
             return 1.0 if self.removed_since_collect else None
         return max(0.0, (self.first_unsynced_ns + self.sync_interval_ns - now_ns) / 1e9)
 
     def shutdown(self) -> None:
-        if self.first_unsynced_ns is not None:
+        if self.disk_full_since_ns is not None:
+            self.retry(time.monotonic_ns())
+        if self.disk_full_since_ns is not None:
+            self.log_lines([f"{self.name}: stopping with {self.segments.held()} writes the full disk refused; "
+                            "their publishers were never confirmed"])
+        elif self.first_unsynced_ns is not None:
             self.sync(time.monotonic_ns())
             self.flush_links()
         self.segments.collect()
@@ -135,6 +190,8 @@ class Store(Stage):
     def extra_stats(self, now_ns: int) -> dict:
         events, self.fsync_events = self.fsync_events, []
         return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs, "adopted": self.adopted,
+                "disk_full": self.disk_full_since_ns is not None, "disk_full_episodes": self.disk_full_episodes,
+                "held_writes": self.segments.held(),
                 "fsync_ms_total": self.fsync_ns_total / 1e6, "fsync_events": events,
                 "segments": dataclasses.asdict(self.segments.statistics())}
 

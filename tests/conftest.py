@@ -258,3 +258,32 @@ def _terminated(signum, _frame) -> None:
 def pytest_configure(config) -> None:
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGHUP, _terminated)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """Mount a tmpfs of the given size at a fresh directory (root only); unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str, at: Path | None = None) -> Path:
+        where = at or tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"a small file system is needed and tmpfs cannot be mounted here: {done.stderr.strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in reversed(mounted):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(directory: Path, leave_bytes: int) -> Path:
+    """A filler file that leaves about ``leave_bytes`` free on ``directory``'s file system."""
+    free = os.statvfs(directory).f_bavail * os.statvfs(directory).f_frsize
+    filler = directory / "filler"
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, free - leave_bytes))
+    return filler

@@ -302,3 +302,38 @@ def test_a_closed_store_refuses_work(store):
     assert store.close() is None
     with pytest.raises(StoreClosed, match="was closed"):
         store.append(mid(2), b"y")
+
+
+def test_a_full_disk_holds_the_writes_it_refused_and_retry_writes_them_once_there_is_space(small_tmpfs):
+    """On a real 1 MiB tmpfs: what the disk refuses is never reported durable, stays readable, and is
+    written by a retry once space is back; a recovery then finds every message whole."""
+    from conftest import fill
+    from pipeline.storage.errors import DiskFull
+    from pipeline.storage.segments import recover
+    root = small_tmpfs("1m")
+    directory = root / "store"
+    filler = fill(root, 256 * 1024)
+    store = SegmentStore(str(directory), file_size_limit_bytes=128 * 1024)
+    bodies = {f"{i:016d}".encode(): bytes([i % 251]) * 20_000 for i in range(30)}
+    durable, full_at = [], None
+    for i, (msg_id, body) in enumerate(bodies.items()):
+        try:
+            store.append(msg_id, body)
+            durable.extend(store.sync().msg_ids_covered)
+        except DiskFull:
+            full_at = i if full_at is None else full_at
+    assert full_at is not None and store.held() > 0, "the tmpfs never filled up"
+    refused = list(bodies)[full_at:]
+    assert durable == list(bodies)[:full_at] and not set(durable) & set(refused), "a refused write reported durable"
+    assert all(store.read(msg_id) == body for msg_id, body in bodies.items())      # held ones from memory
+    with pytest.raises(DiskFull):
+        store.retry()                                                            # still full
+    filler.unlink()
+    result = store.retry()
+    assert store.held() == 0
+    assert set(durable) | set(result.msg_ids_covered) == set(bodies)
+    store.close()
+    again, where = recover(str(directory))
+    assert set(where) == set(bodies)
+    assert all(again.read(msg_id) == body for msg_id, body in bodies.items())
+    again.close()

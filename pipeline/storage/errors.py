@@ -25,3 +25,8 @@ class UnknownMessage(StorageError, KeyError):
 
 class StoreClosed(StorageError):
     """Raised when a segment store this process already closed is used again."""
+
+
+class DiskFull(StorageError):
+    """Raised when the file system refused a write or fsync (ENOSPC, EDQUOT). Nothing is lost: what was
+    not yet durable is held in memory and written again by ``SegmentStore.retry``."""

@@ -37,6 +37,14 @@ only then is the old file deleted. A crash in between leaves two copies of
 a record, never none; recovery keeps the later one. ``read`` follows the
 index, so reads keep working across compactions.
 
+A full disk: when a write or an fsync fails with ENOSPC (or EDQUOT), the
+current file is cut back to its last fsync, the records that were past it
+are *held* in memory (still readable, still counted), later writes go on
+being held, and ``DiskFull`` is raised. ``retry`` writes what is held to a new
+file and fsyncs it; until one succeeds no id is reported durable, so no
+publisher is confirmed for a message that is not on disk, and nothing is
+lost or torn.
+
 Recovery: the store never appends to a file it found on disk; a new store
 starts a new file after the highest number present. The files it found are
 garbage until claimed: ``adopt(held)`` scans each of them up to its last
@@ -48,13 +56,14 @@ and claims every record found, once.
 from __future__ import annotations
 
 import collections
+import errno
 import mmap
 import os
 import time
 from dataclasses import dataclass
 from typing import Mapping
 
-from pipeline.storage.errors import CorruptSegment, StoreClosed, UnknownMessage
+from pipeline.storage.errors import CorruptSegment, DiskFull, StoreClosed, UnknownMessage
 from pipeline.storage.record import (HEADER_BYTES, RECORD_OVERHEAD_BYTES, SIZE_FIELD_BYTES, decode_record,
                                      encode_record, scan)
 
@@ -66,6 +75,7 @@ COMPACT_BELOW_LIVE_FRACTION = 0.5
 SYNC_HISTORY_SAMPLES = 1024         # fsync durations kept for the percentile in statistics()
 READ_FDS_CACHED = 16
 SEGMENT_SUFFIX = ".rdq"
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(frozen=True)
@@ -162,6 +172,9 @@ class SegmentStore:
         self._read_fds: dict[int, int] = {}
         self._unsynced_ids: list[bytes] = []
         self._unsynced_bytes = 0
+        self._pending: list[tuple[bytes, bytes]] = []    # (id, record) in the current file past its fsync
+        self._held: dict[bytes, bytes] = {}              # id -> record the disk refused, to write again
+        self.disk_full_errors = 0
         self._sync_ns: collections.deque[int] = collections.deque(maxlen=SYNC_HISTORY_SAMPLES)
         self._closed = False
         self.appends = self.duplicate_appends = self.bytes_written = 0
@@ -179,12 +192,21 @@ class SegmentStore:
             entry.refs += 1
             self.duplicate_appends += 1
             return entry.location
-        location = self._write_record(encode_record(msg_id, body), len(body))
-        self._index[msg_id] = _Entry(location, 1)
+        record = encode_record(msg_id, body)
         self._unsynced_ids.append(msg_id)
-        self._unsynced_bytes += location.size
+        self._unsynced_bytes += len(record)
         self.appends += 1
-        self.bytes_written += location.size
+        self.bytes_written += len(record)
+        if self._held:                  # the disk is full: behind what is held already
+            entry = self._index[msg_id] = _Entry(Location(-1, 0, len(record)), 1)
+            self._held[msg_id] = record
+            raise DiskFull(f"message {msg_id.hex()} held: the disk is full")
+        try:
+            location = self._write_record(record, len(body), msg_id)
+        except OSError as exc:
+            self._index[msg_id] = _Entry(Location(-1, 0, len(record)), 1)
+            self._hold(exc, msg_id, record)
+        self._index[msg_id] = _Entry(location, 1)
         return location
 
     def incref(self, msg_id: bytes) -> int:
@@ -212,15 +234,21 @@ class SegmentStore:
         if entry.refs > 0:
             return entry.refs
         del self._index[msg_id]
-        self._live[entry.location.file] -= entry.location.size
+        if self._held.pop(msg_id, None) is None:
+            self._live[entry.location.file] -= entry.location.size
         return 0
 
     def sync(self) -> SyncResult:
         """The fsync policy's action: flush and fsync, and name what became durable."""
         self._check_open()
+        if self._held:
+            raise DiskFull(f"{len(self._held)} messages held: the disk is full")
         duration_ns = 0
         if self._dirty:
-            duration_ns = self._fsync_current()
+            try:
+                duration_ns = self._fsync_current()
+            except OSError as exc:
+                self._hold(exc)
         elif self._dir_dirty:
             fsync_directory(self.directory)
             self._dir_dirty = False
@@ -228,7 +256,47 @@ class SegmentStore:
         nbytes, self._unsynced_bytes = self._unsynced_bytes, 0
         return SyncResult(duration_ns, nbytes, ids)
 
-    def _write_record(self, record: bytes, body_len: int) -> Location:
+    def retry(self) -> SyncResult:
+        """Write what a full disk refused to a new file and fsync it; ``DiskFull`` again if it still is.
+        On success, the result names every id appended since the last successful sync."""
+        self._check_open()
+        held, self._held = self._held, {}
+        try:
+            for msg_id, record in held.items():
+                self._index[msg_id].location = self._write_record(record, len(record) - RECORD_OVERHEAD_BYTES,
+                                                                  msg_id)
+        except OSError as exc:
+            self._held = held           # all of it again; _hold cuts off what went into the file
+            self._hold(exc)
+        return self.sync()
+
+    def _hold(self, exc: OSError, msg_id: bytes | None = None, record: bytes | None = None):
+        """A write or fsync failed: a full disk is held over (raises DiskFull), anything else re-raised."""
+        if exc.errno not in FULL_ERRNOS:
+            raise exc
+        self.disk_full_errors += 1
+        fh, self._fh = self._fh, None
+        if fh is not None:
+            try:
+                fh.close()              # its buffer cannot be written either; the descriptor closes
+            except OSError:
+                pass
+            path = self._path(self._current)
+            os.truncate(path, self._synced)         # shrinking needs no space
+            self._file_bytes[self._current] = self._synced
+            for pending_id, pending in self._pending:
+                self._live[self._current] -= len(pending)
+                if pending_id in self._index:
+                    self._index[pending_id].location = Location(-1, 0, len(pending))
+                    self._held[pending_id] = pending
+            self._current += 1                      # the cut file stays as it is; writes go to a new one
+            self._dirty = False
+        self._pending = []
+        if msg_id is not None:
+            self._held[msg_id] = record
+        raise DiskFull(f"{len(self._held)} messages held: {exc}") from exc
+
+    def _write_record(self, record: bytes, body_len: int, msg_id: bytes | None = None) -> Location:
         large = body_len >= LARGE_MESSAGE_BYTES
         if self._fh is not None and (self._full or (large and self._offset > 0)):
             self._roll()                # at the limit, behind a large message, or before one
@@ -236,6 +304,8 @@ class SegmentStore:
             self._open_current()
         location = Location(self._current, self._offset, len(record))
         self._fh.write(record)          # over the buffer's size, this goes straight to the file
+        if msg_id is not None:
+            self._pending.append((msg_id, record))
         self._offset += len(record)
         self._file_bytes[self._current] = self._offset
         self._live[self._current] += len(record)
@@ -272,6 +342,7 @@ class SegmentStore:
         duration_ns = time.monotonic_ns() - start
         self._dirty = False
         self._synced = self._offset
+        self._pending = []
         self.syncs += 1
         self.last_sync_ns = duration_ns
         self._sync_ns.append(duration_ns)
@@ -285,11 +356,15 @@ class SegmentStore:
         entry = self._index.get(msg_id)
         if entry is None:
             raise UnknownMessage(f"no message {msg_id.hex()} in the store")
-        record = self._read_record(entry.location)
+        record = self._held.get(msg_id) or self._read_record(entry.location)
         if record[SIZE_FIELD_BYTES:HEADER_BYTES] != msg_id:
             found = record[SIZE_FIELD_BYTES:HEADER_BYTES].hex()
             raise CorruptSegment(f"{entry.location} holds message {found}, not {msg_id.hex()}")
         return record[HEADER_BYTES:-1]
+
+    def held(self) -> int:
+        """How many records a full disk refused that wait for ``retry``."""
+        return len(self._held)
 
     def refcount(self, msg_id: bytes) -> int:
         """How many references the store holds for ``msg_id`` (0 when none)."""
@@ -323,6 +398,8 @@ class SegmentStore:
     def compact(self) -> int:
         """Delete dead non-current files, compact mostly-dead ones; returns the bytes reclaimed."""
         self._check_open()
+        if self._held:
+            return 0                    # nothing is copied while the disk is full
         others = [n for n in sorted(self._file_bytes) if n != self._current]
         dead = [n for n in others if self._live[n] <= 0]
         sparse = [n for n in others
@@ -330,14 +407,18 @@ class SegmentStore:
         moved = 0
         if sparse:
             wanted = set(sparse)
-            moving = sorted(((e.location.file, e.location.offset), e) for e in self._index.values()
+            moving = sorted(((e.location.file, e.location.offset), i, e) for i, e in self._index.items()
                             if e.location.file in wanted)
-            for _, entry in moving:
-                record = self._read_record(entry.location)
-                entry.location = self._write_record(record, entry.location.size - RECORD_OVERHEAD_BYTES)
-                moved += entry.location.size
-            if self._dirty:
-                self._fsync_current()   # the copies are durable before the originals go
+            try:
+                for _, msg_id, entry in moving:
+                    record = self._read_record(entry.location)
+                    entry.location = self._write_record(record, entry.location.size - RECORD_OVERHEAD_BYTES,
+                                                        msg_id)
+                    moved += entry.location.size
+                if self._dirty:
+                    self._fsync_current()       # the copies are durable before the originals go
+            except OSError as exc:
+                self._hold(exc)                 # the originals stay; the copies are held
             for n in sparse:
                 self._live[n] = 0
             self.files_compacted += len(sparse)
@@ -415,7 +496,10 @@ class SegmentStore:
         """Fsync what is pending and close every file; returns the last sync (None if already closed)."""
         if self._closed:
             return None
-        result = self.sync()
+        try:
+            result = self.sync()
+        except DiskFull:
+            result = None               # what is held was never reported durable: nobody was confirmed
         if self._fh is not None:
             self._fh.close()
             self._fh = None
