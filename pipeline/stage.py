@@ -257,6 +257,11 @@ class Stage:
         self.read_batch = READ_BATCH_RECORDS
         self.stats_interval_ns = STATS_INTERVAL_MS * 1_000_000
         self.backlog = False         # the last turn left records unread: do not sleep
+        # turns that found nothing on any in-link since records last came. A doorbell can only be
+        # skipped while this stage is finishing a read (OutLink.flush); once one quiet turn has polled
+        # every ring after that, each later commit finds it all released and rings: an idle stage
+        # then sleeps until something happens instead of polling every IDLE_CHECK_S
+        self.quiet_turns = 0
         self.trims = 0
 
     # -- hooks for subclasses ------------------------------------------------
@@ -465,8 +470,11 @@ class Stage:
                 timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
             if self.stopping_since_ns is not None:
                 timeout = 0.0 if timeout is None else min(timeout, 0.01)
-            if self.in_links:
+            if self.in_links and self.quiet_turns < 1:
                 timeout = IDLE_CHECK_S if timeout is None else min(timeout, IDLE_CHECK_S)
+            elif self.handled_since_trim >= TRIM_AFTER_RECORDS:     # a trim is owed: wake for it
+                due = max(IDLE_CHECK_S, (self.last_trim_ns + TRIM_INTERVAL_NS - now) / 1e9)
+                timeout = due if timeout is None else min(timeout, due)
             if self.backlog:
                 timeout = 0.0
             if any(link.overflow for link in self.out_links.values()):
@@ -493,8 +501,11 @@ class Stage:
             if handled:
                 self.dirty = True
                 self.handled_since_trim += handled
-            elif self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
-                self.trim(now)
+                self.quiet_turns = 0
+            else:
+                self.quiet_turns += 1
+                if self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
+                    self.trim(now)
             key = self.state_key()
             if key != self.was_blocked and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
                 self.was_blocked = key
