@@ -45,6 +45,7 @@ from pipeline.stage import Stage, read_batch_for
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
+JOURNAL_RETRY_NS = 1_000_000_000  # a full disk: try the held journal entries again this often
 DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's length word, give or take
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
 DELIVERY_WINDOW = 1000             # deliveries in flight to one consumer's reader, whatever the prefetch
@@ -123,6 +124,8 @@ class Queue(Stage):
         self.store_resent = 0
         self.journal = QueueJournal(journal_dir) if durable and journal_dir else None
         self.journal_first_unsynced_ns: int | None = None
+        self.journal_full_since_ns: int | None = None   # a full disk holds journal entries back
+        self.journal_retry_at_ns = 0
         self.journal_acks: list[int] = []
         self.journal_fsyncs = 0
         self.stored = 0
@@ -250,6 +253,8 @@ class Queue(Stage):
             self.by_store_id[on_store] = msg_id
         content = b"" if on_store else memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]
         self.journal.publish(msg_id, flags & ~wire.PUB_CONFIRM, on_store, content)
+        if self.journal.full:
+            self.journal_full()
         if self.journal_first_unsynced_ns is None:
             self.journal_first_unsynced_ns = time.monotonic_ns()
         if msg.publisher is not None:
@@ -297,7 +302,24 @@ class Queue(Stage):
             self.do(self.core.mark_safe(safe))
 
     def sync_journal(self) -> None:
-        self.journal.sync()
+        if not self.journal.sync():
+            self.journal_full()
+            return
+        self.journal_synced()
+
+    def journal_full(self) -> None:
+        """The disk refused journal entries: stop reading (flow control holds the publishers), confirm
+        nothing more, and retry every JOURNAL_RETRY_NS (as the message store does)."""
+        if self.journal_full_since_ns is None:
+            self.journal_full_since_ns = time.monotonic_ns()
+            self.journal_retry_at_ns = self.journal_full_since_ns + JOURNAL_RETRY_NS
+            self.log_lines([f"{self.name}: disk full: journal entries held in memory, confirms withheld, not "
+                            f"reading until a retry (every {JOURNAL_RETRY_NS // 1_000_000} ms) succeeds"])
+
+    def wants_records(self, link) -> bool:
+        return self.journal_full_since_ns is None
+
+    def journal_synced(self) -> None:
         self.journal_fsyncs += 1
         self.journal_first_unsynced_ns = None
         safe = []
@@ -506,7 +528,9 @@ class Queue(Stage):
 
     def timeout_s(self, now_ns: int) -> float | None:
         waits = []
-        if self.journal_first_unsynced_ns is not None:
+        if self.journal_full_since_ns is not None:
+            waits.append((self.journal_retry_at_ns - now_ns) / 1e9)
+        elif self.journal_first_unsynced_ns is not None:
             waits.append((self.journal_first_unsynced_ns + SYNC_INTERVAL_MS * 1_000_000 - now_ns) / 1e9)
         deadline = self.core.next_deadline_ns()
         if deadline is not None:
@@ -526,8 +550,21 @@ class Queue(Stage):
         if self.journal_acks:
             self.journal.ack(self.journal_acks)
             self.journal_acks = []
+            if self.journal.full:
+                self.journal_full()
             if self.journal_first_unsynced_ns is None:
                 self.journal_first_unsynced_ns = now_ns
+        if self.journal_full_since_ns is not None:
+            if now_ns >= self.journal_retry_at_ns:
+                if self.journal.retry():
+                    self.log_lines([f"{self.name}: disk space is back: the held journal entries are on disk "
+                                    f"after {(now_ns - self.journal_full_since_ns) / 1e9:.1f} s; reading again"])
+                    self.journal_full_since_ns = None
+                    self.journal_synced()
+                    self.backlog = True
+                else:
+                    self.journal_retry_at_ns = now_ns + JOURNAL_RETRY_NS
+            return
         if self.journal_first_unsynced_ns is None:
             return
         due = now_ns - self.journal_first_unsynced_ns >= SYNC_INTERVAL_MS * 1_000_000
@@ -717,6 +754,7 @@ class Queue(Stage):
     def extra_stats(self, now_ns: int) -> dict:
         st = self.core.statistics()
         return {"queue": self.queue, "durable": self.durable, "messages": st.messages_ready,
+                "journal_full": self.journal_full_since_ns is not None,
                 "unacked": st.messages_unacknowledged, "message_bytes": st.message_bytes_ready,
                 "consumers": st.consumers, "enqueued": st.published + st.restored, "delivered": st.delivered,
                 "redelivered": st.redelivered, "acked": st.acked, "expired": st.expired,

@@ -114,3 +114,26 @@ def test_a_file_whose_acks_name_an_older_file_is_not_deleted_before_it(tmp_path)
     journal.close()
     again = QueueJournal(str(tmp_path), file_size_limit_bytes=1_000)
     assert [m for m, *_ in again.recover()] == [1], "acked messages must not come back"
+
+
+def test_a_journal_on_a_full_disk_holds_its_entries_and_writes_them_when_space_comes_back(small_tmpfs):
+    """On a real 512 KiB tmpfs: sync answers False while anything is held; a retry on the still-full disk
+    fails cleanly; once space is back every publish and ack is on disk, in order, and recovers."""
+    from conftest import fill
+    root = small_tmpfs("512k")
+    filler = fill(root, 32 * 1024)
+    journal = QueueJournal(str(root / "q"), file_size_limit_bytes=16 * 1024)
+    synced_ok = []
+    for n in range(100):
+        journal.publish(n, 0, None, b"%04d" % n * 250)
+        if n % 3 == 0:
+            journal.ack([n])
+        synced_ok.append(journal.sync())
+    assert journal.full and synced_ok[0] and not synced_ok[-1]
+    assert journal.retry() is False
+    filler.unlink()
+    assert journal.retry() is True and not journal.full and journal.sync()
+    journal.close()
+    recovered = QueueJournal(str(root / "q")).recover()
+    assert [(n, content) for n, _flags, _store, content in recovered] == \
+        [(n, b"%04d" % n * 250) for n in range(100) if n % 3]
