@@ -253,6 +253,7 @@ class Queue(Stage):
             self.by_store_id[on_store] = msg_id
         content = b"" if on_store else memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:]
         self.journal.publish(msg_id, flags & ~wire.PUB_CONFIRM, on_store, content)
+        self.wrote_to_disk(len(content))
         if self.journal.full:
             self.journal_full()
         if self.journal_first_unsynced_ns is None:

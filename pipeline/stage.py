@@ -36,6 +36,9 @@ STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not mor
 IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
 TRIM_AFTER_RECORDS = 1000       # an idle stage that handled this many records since its last trim trims
 TRIM_INTERVAL_NS = 1_000_000_000
+# every this many bytes a stage writes to disk, the watchdog measures free disk at once: the disk alarm
+# then blocks publishers before the disk fills however fast it is written (its poll assumes 250 MB/s)
+DISK_NUDGE_BYTES = 1024 * 1024
 
 
 def _load_malloc_trim():
@@ -262,6 +265,7 @@ class Stage:
         # every ring after that, each later commit finds it all released and rings: an idle stage
         # then sleeps until something happens instead of polling every IDLE_CHECK_S
         self.quiet_turns = 0
+        self.disk_written = 0        # bytes written to disk since the watchdog was last nudged
         self.trims = 0
 
     # -- hooks for subclasses ------------------------------------------------
@@ -547,6 +551,15 @@ class Stage:
                 return
             select.select([self.inbox.fileno()], [], [], OVERFLOW_RETRY_MS / 1000)   # a SPACE token, or retry
             self.handle_tokens(time.monotonic_ns())
+
+    def wrote_to_disk(self, nbytes: int) -> None:
+        self.disk_written += nbytes
+        if self.disk_written >= DISK_NUDGE_BYTES:
+            self.disk_written = 0
+            try:
+                control.send_msg(self.ctl, {"type": "disk_written"})
+            except OSError:
+                pass
 
     def log_lines(self, lines: list[str]) -> None:
         try:

@@ -84,6 +84,7 @@ class Store(Stage):
             if self.delay_ns:
                 busy_wait_ns(self.delay_ns)
             msg_id, body = wire.decode_write(record)
+            self.wrote_to_disk(len(body))
             try:
                 self.segments.append(msg_id, body)
             except DiskFull as exc:

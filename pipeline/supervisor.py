@@ -668,6 +668,10 @@ class Supervisor:
                 self.check_paging(msg)
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
+        elif kind == "disk_written":           # a stage wrote DISK_NUDGE_BYTES: measure free disk now
+            wd = self.procs.get("watchdog")
+            if wd is not None and wd.state == "running":
+                self.tell(wd, {"type": "disk_written"})
         elif kind == "open_channel":
             if proc.kind == "reader" and proc.state == "running":
                 self.open_channel(proc, int(msg["channel"]), bool(msg.get("cancel_notify")))
