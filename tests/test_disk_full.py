@@ -28,6 +28,22 @@ def body(i: int) -> bytes:
     return (b"%06d" % i) * (BODY // 6) + b"x" * (BODY % 6)
 
 
+def consume_all(broker, queue: str, count: int) -> list[bytes]:
+    """Up to ``count`` bodies from ``queue``, acked, in the order delivered."""
+    got: list[bytes] = []
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        ch = conn.channel()
+        for method, _, payload in ch.consume(queue, inactivity_timeout=5):
+            if method is None:
+                break
+            got.append(payload)
+            ch.basic_ack(method.delivery_tag)
+            if len(got) == count:
+                break
+        ch.cancel()
+    return got
+
+
 def test_a_full_disk_withholds_confirms_and_loses_nothing(tmp_path, small_tmpfs):
     data_dir = tmp_path / "broker"
     store_fs = small_tmpfs("4m", at=data_dir / "msg_store")
@@ -68,18 +84,7 @@ def test_a_full_disk_withholds_confirms_and_loses_nothing(tmp_path, small_tmpfs)
         assert not errors and len(confirmed) == COUNT
         assert "disk space is back" in broker.output()
         assert broker.status()["deaths"] == []
-        with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
-            ch = conn.channel()
-            got = []
-            for method, _, payload in ch.consume("big", inactivity_timeout=5):
-                if method is None:
-                    break
-                got.append(payload)
-                ch.basic_ack(method.delivery_tag)
-                if len(got) == COUNT:
-                    break
-            ch.cancel()
-        assert got == [body(i) for i in range(COUNT)]
+        assert consume_all(broker, "big", COUNT) == [body(i) for i in range(COUNT)]
         print(f"\n  disk full: {withheld_at} of {COUNT} confirmed before it filled, none while it was full "
               f"(one publish waited for its confirm), all {COUNT} confirmed and delivered whole after "
               f"space came back; 0 nacked, 0 lost")
@@ -129,18 +134,7 @@ def test_a_full_disk_under_the_queue_journals_withholds_confirms_and_loses_nothi
         assert "journal entries are on disk" in broker.output()
         broker.stop()                                   # a restart reads the journal back: all of it is there
         broker = Broker(data_dir)
-        with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
-            ch = conn.channel()
-            got = []
-            for method, _, payload in ch.consume("small", inactivity_timeout=5):
-                if method is None:
-                    break
-                got.append(payload)
-                ch.basic_ack(method.delivery_tag)
-                if len(got) == count:
-                    break
-            ch.cancel()
-        assert got == [b"%06d" % i * (size // 6) for i in range(count)]
+        assert consume_all(broker, "small", count) == [b"%06d" % i * (size // 6) for i in range(count)]
         print(f"\n  journal disk full: {withheld_at} of {count} confirmed before it filled, none while it was "
               f"full, all {count} confirmed after space came back and read back whole after a restart; "
               f"0 nacked, 0 lost")
