@@ -74,6 +74,7 @@ ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for thi
 FDS_PER_CONNECTION = 16             # what a connection with a channel holds open here (measured: ~12)
 # RabbitMQ lets sockets take 90% of the limit; here channels and queue links take descriptors too
 FD_SHARE_FOR_CONNECTIONS = 0.8
+FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often, estimated in between
 SUPERVISOR = "creditflow_sup"
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 PR_SET_NAME = 15
@@ -236,6 +237,8 @@ class Supervisor:
         self.accept_paused_until = 0.0
         self.fd_limit = raise_fd_limit()
         self.fd_alarm = False
+        self.fds_used = 0
+        self.fds_counted_ns = 0
         self.accepting = True
         self.telemetry = telemetry.Recorder(cfg.data_dir)
         self.tls = None
@@ -467,7 +470,12 @@ class Supervisor:
         if self.fd_limit == resource.RLIM_INFINITY:
             return False
         was = self.fd_alarm
-        self.fd_alarm = fd_alarm(fds_in_use(), self.fd_limit, was)
+        now = time.monotonic_ns()
+        if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS:     # listing /proc/self/fd costs per entry
+            self.fds_used, self.fds_counted_ns = fds_in_use(), now
+        else:
+            self.fds_used += FDS_PER_CONNECTION                   # between counts: each accept's share
+        self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was)
         if self.fd_alarm and not was:
             self.log("warning", ["file descriptor limit alarm set.", "",
                                  "********************************************************************",
