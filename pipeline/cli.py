@@ -135,6 +135,10 @@ def add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--handshake-timeout", type=nonneg_seconds, default=10.0,
                    help="seconds a client has from its TCP connect to connection.open (RabbitMQ's "
                         "handshake_timeout, default 10; 0: none)")
+    g.add_argument("--pool", type=nonneg_int, default=None, metavar="N",
+                   help="processes that run readers, and as many for channels and for queues, each serving "
+                        "many (default: one per core); 0: a process of its own for every connection, "
+                        "channel and queue")
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
                    help="on (default): statistics snapshots every 100 ms and state samples in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
@@ -159,7 +163,8 @@ def broker_config(args, data_dir: str, port: int):
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
-        paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on")
+        paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on",
+        **({} if args.pool is None else {"pool": args.pool}))
 
 
 def build_parser() -> Parser:
@@ -241,7 +246,8 @@ def build_parser() -> Parser:
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
-    ctl.add_argument("action", choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "stop"))
+    ctl.add_argument("action", choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "kill", "stop"),
+                     help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone)")
     ctl.add_argument("value", nargs="?")
     return parser
 
@@ -288,12 +294,17 @@ def check_tls(args) -> None:
 
 def cmd_ctl(args) -> int:
     from pipeline.ctlclient import BrokerNotRunning, CtlClient
-    if args.action in ("set-watermark", "set-disk-free-limit") and args.value is None:
+    if args.action in ("set-watermark", "set-disk-free-limit", "kill") and args.value is None:
         raise UsageError(f"creditflow ctl: {args.action} needs a value")
     try:
         with CtlClient(args.data_dir) as client:
             cmd = args.action.replace("-", "_")
-            reply = client.request(cmd, value=args.value) if args.value is not None else client.request(cmd)
+            if args.action == "kill":
+                reply = client.request(cmd, name=args.value)
+            elif args.value is not None:
+                reply = client.request(cmd, value=args.value)
+            else:
+                reply = client.request(cmd)
     except BrokerNotRunning as exc:
         print(f"creditflow ctl: {exc}", file=sys.stderr)
         return EXIT_NO_BROKER

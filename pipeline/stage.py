@@ -230,10 +230,22 @@ class InLink:
             pass
 
 
+def own_selector(stage) -> selectors.BaseSelector:
+    return selectors.DefaultSelector()
+
+
 class Stage:
-    """Base class of reader, channel, queue and store processes."""
+    """Base class of reader, channel, queue and store processes.
+
+    A stage runs either as a process of its own (``run``) or as one of many in a
+    shared process (``pipeline.host``), which sets ``selector_for`` to hand each
+    stage its view of the one selector and drives ``wait_timeout``, ``on_endpoint``
+    and ``turn`` itself. Nothing a stage does may wait: a hosted stage that
+    waited would hold up every other stage of its process."""
 
     kind = "stage"
+    selector_for = staticmethod(own_selector)
+    hosted = False
 
     def __init__(self, name: str, ctl_sock, inbox_fd: int, doorbell_fd: int,
                  credit_spec: CreditSpec):
@@ -244,7 +256,7 @@ class Stage:
         self.credit = CreditFlow(credit_spec)
         self.out_links: dict[int, OutLink] = {}
         self.in_links: dict[int, InLink] = {}
-        self.selector = selectors.DefaultSelector()
+        self.selector = Stage.selector_for(self)
         self.selector.register(self.doorbell.fileno(), selectors.EVENT_READ, "doorbell")
         self.selector.register(self.inbox.fileno(), selectors.EVENT_READ, "inbox")
         self.selector.register(self.ctl.fileno(), selectors.EVENT_READ, "ctl")
@@ -465,66 +477,77 @@ class Stage:
         self.last_stats_ns = now_ns
 
     def run(self) -> int:
+        """A process of its own: sleep in select until an endpoint is ready, then take a turn."""
         select = self.selector.select
         while self.running:
-            now = time.monotonic_ns()
-            timeout = self.timeout_s(now)
-            if self.dirty:
-                due = (self.last_stats_ns + self.stats_interval_ns - now) / 1e9
-                timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
-            if self.stopping_since_ns is not None:
-                timeout = 0.0 if timeout is None else min(timeout, 0.01)
-            if self.in_links and self.quiet_turns < 1:
-                timeout = IDLE_CHECK_S if timeout is None else min(timeout, IDLE_CHECK_S)
-            elif self.handled_since_trim >= TRIM_AFTER_RECORDS:     # a trim is owed: wake for it
-                due = max(IDLE_CHECK_S, (self.last_trim_ns + TRIM_INTERVAL_NS - now) / 1e9)
-                timeout = due if timeout is None else min(timeout, due)
-            if self.backlog:
-                timeout = 0.0
-            if any(link.overflow for link in self.out_links.values()):
-                retry = OVERFLOW_RETRY_MS / 1000
-                timeout = retry if timeout is None else min(timeout, retry)
-            for key, _ in select(timeout):
-                tag = key.data
-                if tag == "doorbell":
-                    try:
-                        self.doorbell.drain_nowait()
-                    except WouldBlock:
-                        pass
-                elif tag == "inbox":
-                    self.handle_tokens(time.monotonic_ns())
-                elif tag == "ctl":
-                    self.handle_control()
-                else:
-                    self.on_ready(key)
-            now = time.monotonic_ns()
-            self.backlog = False
-            handled = self.poll_links(now)
-            self.after_io(now)
-            self.flush_links()
-            if handled:
-                self.dirty = True
-                self.handled_since_trim += handled
-                self.quiet_turns = 0
-            else:
-                self.quiet_turns += 1
-                if self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
-                    self.trim(now)
-            key = self.state_key()
-            if key != self.was_blocked and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
-                self.was_blocked = key
-                self.push_stats(now)
-                self.dirty = False
-            elif key != self.was_blocked:
-                self.dirty = True
-            elif self.dirty and now - self.last_stats_ns >= self.stats_interval_ns:
-                self.push_stats(now)
-                self.dirty = False
-            if self.stopping_since_ns is not None and (
-                    not handled or now - self.stopping_since_ns > STOP_DRAIN_NS):
-                self.running = False
+            for key, _ in select(self.wait_timeout(time.monotonic_ns())):
+                self.on_endpoint(key.data, key)
+            self.turn()
         self.shutdown()
         return self.exit_code
+
+    def wait_timeout(self, now: int) -> float | None:
+        """How long this stage may sleep before its next turn (None: until an endpoint is ready)."""
+        timeout = self.timeout_s(now)
+        if self.dirty:
+            due = (self.last_stats_ns + self.stats_interval_ns - now) / 1e9
+            timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
+        if self.stopping_since_ns is not None:
+            timeout = 0.0 if timeout is None else min(timeout, 0.01)
+        if self.in_links and self.quiet_turns < 1:
+            timeout = IDLE_CHECK_S if timeout is None else min(timeout, IDLE_CHECK_S)
+        elif self.handled_since_trim >= TRIM_AFTER_RECORDS:     # a trim is owed: wake for it
+            due = max(IDLE_CHECK_S, (self.last_trim_ns + TRIM_INTERVAL_NS - now) / 1e9)
+            timeout = due if timeout is None else min(timeout, due)
+        if self.backlog:
+            timeout = 0.0
+        if any(link.overflow for link in self.out_links.values()):
+            retry = OVERFLOW_RETRY_MS / 1000
+            timeout = retry if timeout is None else min(timeout, retry)
+        return timeout
+
+    def on_endpoint(self, tag, key) -> None:
+        """One of this stage's endpoints is ready (``tag`` is what it was registered with)."""
+        if tag == "doorbell":
+            try:
+                self.doorbell.drain_nowait()
+            except WouldBlock:
+                pass
+        elif tag == "inbox":
+            self.handle_tokens(time.monotonic_ns())
+        elif tag == "ctl":
+            self.handle_control()
+        else:
+            self.on_ready(key)
+
+    def turn(self) -> None:
+        """Read the in-links, let the subclass act, hand on the output, push statistics when due."""
+        now = time.monotonic_ns()
+        self.backlog = False
+        handled = self.poll_links(now)
+        self.after_io(now)
+        self.flush_links()
+        if handled:
+            self.dirty = True
+            self.handled_since_trim += handled
+            self.quiet_turns = 0
+        else:
+            self.quiet_turns += 1
+            if self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
+                self.trim(now)
+        key = self.state_key()
+        if key != self.was_blocked and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
+            self.was_blocked = key
+            self.push_stats(now)
+            self.dirty = False
+        elif key != self.was_blocked:
+            self.dirty = True
+        elif self.dirty and now - self.last_stats_ns >= self.stats_interval_ns:
+            self.push_stats(now)
+            self.dirty = False
+        if self.stopping_since_ns is not None and (
+                not handled or now - self.stopping_since_ns > STOP_DRAIN_NS):
+            self.running = False
 
     def trim(self, now_ns: int) -> None:
         """Idle after heavy traffic: give freed memory back so the memory alarm sees it go."""
@@ -539,10 +562,10 @@ class Stage:
         connection or channel closed. Gives up on a receiver that frees no space for
         ``HAND_ON_LIMIT_NS`` (and says how many records that lost); a receiver that dies is
         detached by its peer_down token."""
-        deadline = time.monotonic_ns() + HAND_ON_LIMIT_NS
+        deadline = time.monotonic_ns() + (0 if self.hosted else HAND_ON_LIMIT_NS)   # a host has waited already
         while True:
             self.flush_links()
-            waiting = sum(len(link.overflow) for link in self.out_links.values())
+            waiting = self.overflowing()
             if not waiting:
                 return
             now = time.monotonic_ns()
@@ -551,6 +574,10 @@ class Stage:
                 return
             select.select([self.inbox.fileno()], [], [], OVERFLOW_RETRY_MS / 1000)   # a SPACE token, or retry
             self.handle_tokens(time.monotonic_ns())
+
+    def overflowing(self) -> int:
+        """Records still waiting in out-link overflow for their receivers to free ring space."""
+        return sum(len(link.overflow) for link in self.out_links.values())
 
     def wrote_to_disk(self, nbytes: int) -> None:
         self.disk_written += nbytes

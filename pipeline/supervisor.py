@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import errno
 import ipaddress
 import json
@@ -55,7 +56,8 @@ from pipeline.broker.ctl_server import CtlServer
 from pipeline.broker.args import QueueError
 from pipeline.amqp.errors import AmqpError
 from pipeline.broker.definitions import (DEFINITIONS_FILE, Definitions, QueueDef, arguments_from_json,
-                                         not_found_queue, queue_stopped, refused)
+                                         arguments_to_json, not_found_queue, queue_stopped, refused)
+from pipeline.host import Host, build_stage
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -76,6 +78,7 @@ FDS_PER_CONNECTION = 16             # what a connection with a channel holds ope
 FD_SHARE_FOR_CONNECTIONS = 0.8
 FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often, estimated in between
 SUPERVISOR = "creditflow_sup"
+HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
 REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
@@ -112,6 +115,8 @@ class BrokerConfig:
     tls_port: int | None = None     # an AMQPS listener (RabbitMQ's 5671) with tls_cert / tls_key
     tls_cert: str | None = None
     tls_key: str | None = None
+    # hosts per kind for readers, channels and queues (pipeline.host); 0: a process of its own for each
+    pool: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
 @dataclass
@@ -131,6 +136,11 @@ class Proc:
     state: str = "running"          # pipeline.broker.lifecycle.STATES
     tokens: bytearray = field(default_factory=bytearray)   # tokens its full inbox could not take yet
     deleted: bool = False           # for queues: deleted, so its files go when it has stopped
+    host: str | None = None         # the host process it runs in (pid is that host's), None: its own
+    stages: int = 0                 # for hosts: how many stages it runs now
+    exit_code: int | None = None    # for hosted stages: how it ended, as its host reported
+    exit_how: str | None = None
+    reaped: bool = False            # its end is being handled
 
 
 @dataclass
@@ -327,6 +337,68 @@ class Supervisor:
         self.telemetry.event("spawn", name, {"pid": pid, "kind": kind})
         return proc
 
+    def start_stage(self, name: str, kind: str, spec: dict, extra_fds: tuple[int, ...] = (), **info) -> Proc | None:
+        """A reader, channel or queue: in the host of its kind that runs the fewest (``cfg.pool``), or
+        with ``pool`` 0 in a process of its own. ``spec`` is JSON (``pipeline.host.build_stage``)."""
+        if not self.cfg.pool:
+            def factory(ctl, inbox, bell):
+                return build_stage(kind, name, spec, self.cfg, ctl, inbox, bell, list(extra_fds), self.tls)
+            return self.spawn(name, kind, factory, extra_keep=extra_fds, **info)
+        host = self.host_for(kind)
+        if host is None:
+            return None
+        try:
+            inbox_r, inbox_w = os.pipe()
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: {exc}"])
+            return None
+        endpoints = [inbox_r, inbox_w]
+        try:
+            doorbell = Doorbell()
+            endpoints.append(doorbell)
+            parent_ctl, child_ctl = control.socketpair()
+            endpoints += [parent_ctl, child_ctl]
+            host.outbox.put({"type": "host", "name": name, "kind": kind, "spec": spec},
+                            [inbox_r, doorbell.fileno(), child_ctl.fileno(), *extra_fds])
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: {exc}"])
+            _close_endpoints(endpoints)
+            return None
+        self.want_write(host)
+        os.close(inbox_r)           # the outbox holds duplicates until the host has them
+        child_ctl.close()
+        os.set_blocking(inbox_w, False)
+        proc = Proc(name, kind, host.pid, parent_ctl, control.Outbox(parent_ctl), inbox_w, doorbell, host=host.name,
+                    **info)
+        host.stages += 1
+        self.procs[name] = proc
+        self.selector.register(parent_ctl, selectors.EVENT_READ, ("proc", name))
+        self.telemetry.event("spawn", name, {"pid": host.pid, "kind": kind, "host": host.name})
+        return proc
+
+    def host_for(self, kind: str) -> Proc | None:
+        """The running host of ``kind`` with the fewest stages; a new one while the pool is not full."""
+        hosts = [p for p in self.procs.values() if p.kind == "host" and p.number == HOSTED_KINDS.index(kind)
+                 and p.state == "running"]
+        if len(hosts) < self.cfg.pool:
+            taken = {p.name for p in hosts}
+            name = next(f"{kind}-pool-{i}" for i in range(1, self.cfg.pool + 2) if f"{kind}-pool-{i}" not in taken)
+            host = self.start_host(name, kind)
+            if host is not None:
+                return host
+        return min(hosts, key=lambda p: p.stages, default=None)
+
+    def start_host(self, name: str, kind: str) -> Proc | None:
+        cfg = self.cfg
+        interval = None if cfg.telemetry else UNTRACED_STATS_INTERVAL_MS * 1_000_000
+
+        def factory(ctl, inbox, bell):
+            return Host(name, ctl, cfg, stats_interval_ns=interval, tls_context=self.tls)
+        host = self.spawn(name, "host", factory, number=HOSTED_KINDS.index(kind))
+        if host is not None:
+            self.log("info", [f"started {name} (pid {host.pid}) to run {kind}s"])
+        return host
+
     def make_link(self, sender: str, receiver: str, flow: bool, spec: CreditSpec | None = None) -> int | None:
         """A ring from ``sender`` to ``receiver``; None when either is not running (it ended, or is ending)."""
         s, r = self.procs.get(sender), self.procs.get(receiver)
@@ -339,6 +411,7 @@ class Supervisor:
         except OSError as exc:
             self.log("error", [f"cannot make a ring from {sender} to {receiver}: {exc}"])
             return None
+        seg.close()        # only its two ends map it; the supervisor keeps the name, to unlink it
         self.links[link_id] = LinkRec(link_id, sender, receiver, seg, flow)
         s.links.add(link_id)
         r.links.add(link_id)
@@ -526,20 +599,13 @@ class Supervisor:
         here = sock.getsockname()
         fd = sock.detach()
         peer = f"{addr[0]}:{addr[1]} -> {here[0]}:{here[1]}"
-        context = self.tls if tls else None
 
         connection = {"node_name": cfg.node, "heartbeat_s": cfg.heartbeat_s, "frame_max": cfg.frame_max,
                       "channel_max": cfg.channel_max, "max_message_bytes": cfg.max_message_bytes,
                       "refuse_open": refuse, "handshake_timeout_s": cfg.handshake_timeout_s, "users": cfg.users,
-                      "loopback_users": frozenset(cfg.loopback_users), "peer_is_loopback": is_loopback(addr[0])}
-
-        def factory(ctl, inbox, bell, fd=fd, name=name, connection=connection, alarms=alarms):
-            from pipeline.reader import Reader
-            conn = socket.socket(fileno=fd)
-            if context is not None:
-                conn = context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-            return Reader(name, ctl, inbox, bell, cfg.credit, conn, connection=connection, alarms=alarms)
-        proc = self.spawn(name, "reader", factory, extra_keep=(fd,), peer=peer)
+                      "loopback_users": list(cfg.loopback_users), "peer_is_loopback": is_loopback(addr[0])}
+        spec = {"connection": connection, "alarms": alarms, "tls": tls}
+        proc = self.start_stage(name, "reader", spec, extra_fds=(fd,), peer=peer)
         os.close(fd)                 # the reader has its own copy now (or, if none started, the client is dropped)
         if proc is not None:
             self.telemetry.event("connection", name, {"peer": f"{addr[0]}:{addr[1]}"})
@@ -550,11 +616,8 @@ class Supervisor:
         if name in self.procs:  # the same number reopened while its old process is still stopping
             name = f"{name}-{self.next_link}"
 
-        def factory(ctl, inbox, bell):
-            from pipeline.channel import Channel
-            return Channel(name, ctl, inbox, bell, cfg.credit, number=number, reader=reader.name,
-                           frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us, cancel_notify=cancel_notify)
-        chan = self.spawn(name, "channel", factory, owner=reader.name, number=number)
+        spec = {"number": number, "reader": reader.name, "cancel_notify": cancel_notify}
+        chan = self.start_stage(name, "channel", spec, owner=reader.name, number=number)
         if chan is None:
             self.tell(reader, {"type": "channel_refused", "channel": number, "code": 541,
                                "text": "INTERNAL_ERROR - cannot start a channel process"})
@@ -565,32 +628,27 @@ class Supervisor:
         if out is not None and inp is not None:
             self.tell(reader, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
 
-    def queue_factory(self, qdef: QueueDef):
+    def queue_spec(self, qdef: QueueDef) -> dict:
         cfg = self.cfg
         name = qdef.name
-        pname = f"queue-{name}"
         fname = names.file_name(name)
         journal_dir = os.path.join(cfg.data_dir, "queues", fname)
         legacy = names.legacy_file_name(name)
         if legacy and legacy != fname and os.path.isdir(os.path.join(cfg.data_dir, "queues", legacy)) \
                 and not os.path.exists(journal_dir):
             os.replace(os.path.join(cfg.data_dir, "queues", legacy), journal_dir)
-        store_dir = os.path.join(cfg.data_dir, "msg_store")
-        page_path = os.path.join(cfg.data_dir, "paged", fname + ".pages")
+        pname = f"queue-{name}"
         incarnation = self.incarnations[pname] = self.incarnations.get(pname, -1) + 1
         snapshot = self.defs.routing.snapshot() if qdef.args.dead_letter_exchange is not None else None
-
-        def factory(ctl, inbox, bell):
-            from pipeline.queue import Queue
-            return Queue(pname, ctl, inbox, bell, cfg.credit, queue=name, durable=qdef.durable,
-                         owner=qdef.owner, auto_delete=qdef.auto_delete, args=qdef.args,
-                         store_spec=cfg.store_credit, delay_us=cfg.queue_delay_us, frame_max=cfg.frame_max,
-                         run_id=self.run_id, journal_dir=journal_dir, store_dir=store_dir, page_path=page_path,
-                         incarnation=incarnation, routing=snapshot)
-        return factory
+        return {"queue": name, "durable": qdef.durable, "owner": qdef.owner, "auto_delete": qdef.auto_delete,
+                "arguments": arguments_to_json(qdef.arguments), "run_id": self.run_id,
+                "store_credit": [cfg.store_credit.initial, cfg.store_credit.more_after],
+                "journal_dir": journal_dir, "store_dir": os.path.join(cfg.data_dir, "msg_store"),
+                "page_path": os.path.join(cfg.data_dir, "paged", fname + ".pages"),
+                "incarnation": incarnation, "routing": snapshot}
 
     def start_queue(self, qdef: QueueDef) -> Proc | None:
-        proc = self.spawn(f"queue-{qdef.name}", "queue", self.queue_factory(qdef))
+        proc = self.start_stage(f"queue-{qdef.name}", "queue", self.queue_spec(qdef))
         if proc is None:
             return None
         if self.paging:
@@ -657,6 +715,8 @@ class Supervisor:
                     self.selector.unregister(proc.ctl)   # it is ending; SIGCHLD reaps it
                 except (KeyError, ValueError):
                     pass
+                if proc.exit_code is not None and not proc.reaped and self.procs.get(proc.name) is proc:
+                    self.ended(proc, proc.exit_code)     # a hosted stage: its host said how it ended
                 return
             for fd in fds:
                 os.close(fd)
@@ -676,6 +736,8 @@ class Supervisor:
                 self.check_paging(msg)
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
+        elif kind == "exit" and proc.host is not None:     # its host closes its socket next
+            proc.exit_code, proc.exit_how = int(msg.get("code", EXIT_STAGE_CRASHED)), msg.get("how")
         elif kind == "disk_written":           # a stage wrote DISK_NUDGE_BYTES: measure free disk now
             wd = self.procs.get("watchdog")
             if wd is not None and wd.state == "running":
@@ -959,7 +1021,21 @@ class Supervisor:
         if cmd == "stop":
             self.running = False
             return {"ok": True}
+        if cmd == "kill":
+            return self.kill_stage(req.get("name"))
         return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    def kill_stage(self, name) -> dict:
+        """Crash one stage at once, as a SIGKILL would (Erlang's ``exit(Pid, kill)`` for one in a host)."""
+        proc = self.procs.get(name) if isinstance(name, str) else None
+        if proc is None or proc.kind == "host":
+            return {"ok": False, "error": f"no stage {name!r}"}
+        host = self.procs.get(proc.host) if proc.host is not None else None
+        if host is not None:
+            self.tell(host, {"type": "kill", "name": name})
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        return {"ok": True, "pid": proc.pid, "host": proc.host}
 
     def status(self) -> dict:
         now = time.monotonic_ns()
@@ -969,6 +1045,7 @@ class Supervisor:
             processes[name] = {
                 **{k: v for k, v in st.items() if k not in ("type", "fsync_events", "state")},
                 "kind": st.get("kind"), "pid": proc.pid if proc is not None else st.get("pid"),
+                "host": proc.host if proc is not None else None,
                 "alive": proc is not None, "state": state_at(st, now), "samples": self.samples.get(name, {}),
                 "restarts": self.incarnations.get(name, 0),
             }
@@ -978,8 +1055,10 @@ class Supervisor:
         queues = {name: {"proc": f"queue-{name}", "durable": q.durable, "down": q.down, "exclusive": q.exclusive,
                          "auto_delete": q.auto_delete, "arguments": {k: str(v) for k, v in q.arguments.items()}}
                   for name, q in self.defs.queues.items()}
+        hosts = {p.name: {"pid": p.pid, "kind": HOSTED_KINDS[p.number], "stages": p.stages}
+                 for p in self.procs.values() if p.kind == "host"}
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
-                "now_ns": now, "processes": processes, "links": links, "alarms": self.alarms,
+                "now_ns": now, "processes": processes, "hosts": hosts, "links": links, "alarms": self.alarms,
                 "deaths": self.deaths, "queues": queues,
                 "fd": {"used": fds_in_use(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
 
@@ -1016,19 +1095,30 @@ class Supervisor:
                                    *traceback.format_exc().rstrip().splitlines()])
 
     def ended(self, proc: Proc, code: int) -> None:
+        proc.reaped = True
+        if proc.kind == "host":
+            hosted = [p for p in self.procs.values() if p.host == proc.name]
+            if hosted and proc.state == "running":
+                self.log("error", [f"{proc.name} (pid {proc.pid}) ended ({lifecycle.how_it_ended(code)}) with "
+                                   f"{len(hosted)} stages in it"])
+            for p in hosted:             # each is a death of its own, handled as its kind's
+                p.exit_code = code
+                self.ended(p, code)
+            self.telemetry.event("host_ended", proc.name, {"how": lifecycle.how_it_ended(code), "pid": proc.pid,
+                                                           "stages": len(hosted)})
+            self.close_proc(proc)
+            return
+        elif proc.host is not None:
+            host = self.procs.get(proc.host)
+            if host is not None:
+                host.stages -= 1
         now = time.monotonic_ns()
         verdict = lifecycle.on_exit(proc.kind, proc.state, code, broker_running=self.running, book=self.restarts,
                                     name=proc.name, now_ns=now)
+        if proc.exit_how:
+            verdict = dataclasses.replace(verdict, how=proc.exit_how)
         proc.state = verdict.state
-        self.on_proc_msg(proc, limit=100_000)   # what it said last (a log line, final statistics) still counts
-        if self.procs.get(proc.name) is proc:
-            del self.procs[proc.name]
-        try:
-            self.selector.unregister(proc.ctl)
-        except (KeyError, ValueError):
-            pass
-        proc.outbox.drop()
-        proc.ctl.close()
+        self.close_proc(proc)
         if not verdict.crashed and code != 0:
             self.log("warning", [f"{proc.name} (pid {proc.pid}) exited with {verdict.how} while it was "
                                  "ending"])
@@ -1042,10 +1132,22 @@ class Supervisor:
         reason = "crashed" if verdict.crashed else "closed"
         for link_id in list(proc.links):
             self.drop_link(link_id, gone=proc.name, reason=reason)
-        os.close(proc.inbox_w)
-        proc.doorbell.close()
         getattr(self, f"after_{verdict.action}")(proc, verdict)
         self.forget_ended(proc.name)
+
+    def close_proc(self, proc: Proc) -> None:
+        """Take what it said last (a log line, final statistics), then close its endpoints here."""
+        self.on_proc_msg(proc, limit=100_000)
+        if self.procs.get(proc.name) is proc:
+            del self.procs[proc.name]
+        try:
+            self.selector.unregister(proc.ctl)
+        except (KeyError, ValueError):
+            pass
+        proc.outbox.drop()
+        proc.ctl.close()
+        os.close(proc.inbox_w)
+        proc.doorbell.close()
 
     def forget_ended(self, name: str) -> None:
         """Keep the statistics of the last ENDED_KEPT processes that ended (a run's summary reads its
@@ -1261,7 +1363,7 @@ class Supervisor:
                 listener.close()
             except OSError:
                 pass
-        for kind in ("reader", "channel", "queue", "watchdog", "store"):
+        for kind in ("reader", "channel", "queue", "host", "watchdog", "store"):
             group = [p for p in self.procs.values() if p.kind == kind]
             for p in group:
                 try:

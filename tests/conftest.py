@@ -90,6 +90,15 @@ class Broker:
         with CtlClient(str(self.data_dir)) as client:
             return client.request("status")
 
+    def kill(self, name: str) -> dict:
+        """Crash one stage at once (``ctl kill``): SIGKILL for a process of its own, the stage alone in a
+        shared one. Returns it as ``status`` showed it just before."""
+        from pipeline.ctlclient import CtlClient
+        before = self.process(name)
+        with CtlClient(str(self.data_dir)) as client:
+            assert client.request("kill", name=name)["ok"]
+        return before
+
     def process(self, prefix: str, timeout_s: float = 10.0) -> dict:
         """The one live process named ``prefix*``, once it has reported its statistics."""
         status = self.wait_for(lambda s: [p for n, p in s["processes"].items()

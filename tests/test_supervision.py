@@ -111,8 +111,7 @@ def test_a_killed_reader_takes_only_its_connection_and_its_unacked_messages_go_b
     vch.basic_consume("work", lambda ch, m, p, body: held.append(body))
     while len(held) < 10:
         victim.process_data_events(0.1)
-    reader = broker.process("reader-2")
-    os.kill(reader["pid"], signal.SIGKILL)
+    broker.kill("reader-2")
     broker.wait_for(lambda s: any(d["name"] == "reader-2" for d in s["deaths"]), what="the reader's death")
     got = []
     while True:
@@ -124,7 +123,7 @@ def test_a_killed_reader_takes_only_its_connection_and_its_unacked_messages_go_b
     assert {b for b, redelivered in got if redelivered} == set(held)
     assert [b for b, _ in got[:10]] == held, "requeued messages come back first, in their order"
     death = [d for d in deaths(broker) if d["name"] == "reader-2"][0]
-    assert (death["how"], death["action"]) == ("signal 9", "close_connection")
+    assert (death["how"], death["action"]) == ("killed", "close_connection")
     assert "closing AMQP connection reader-2" in broker.output()
     other.close()
 
@@ -135,8 +134,7 @@ def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on
     bch.queue_declare("b")
     victim = connect(broker)
     victim.channel().queue_declare("v")
-    chan = broker.process("channel-2.1")
-    os.kill(chan["pid"], signal.SIGKILL)
+    broker.kill("channel-2.1")
     with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
         for _ in range(100):
             victim.process_data_events(0.05)
@@ -162,11 +160,10 @@ def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consu
     wch.basic_consume("dq", lambda *a: None)
     wch.add_on_cancel_callback(lambda method: cancelled.append(method.method.consumer_tag))
     watcher.process_data_events(0.3)
-    old = broker.process("queue-dq")
-    os.kill(old["pid"], signal.SIGKILL)
+    old = broker.kill("queue-dq")
     while not cancelled:
         watcher.process_data_events(0.1)       # pika announces consumer_cancel_notify: basic.cancel
-    status = broker.wait_for(lambda s: s["processes"]["queue-dq"]["pid"] != old["pid"]
+    status = broker.wait_for(lambda s: s["processes"]["queue-dq"]["restarts"] > old["restarts"]
                              and s["processes"]["queue-dq"].get("recovered") == 50, what="the restarted queue")
     assert status["processes"]["queue-dq"]["alive"]
     bodies = []
@@ -177,7 +174,7 @@ def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consu
         bodies.append(m[2])
     assert bodies == [f"m{i}".encode() for i in range(50)]
     death = [d for d in deaths(broker) if d["name"] == "queue-dq"][0]
-    assert death["action"] == "restart" and death["restarted_pid"] not in (None, old["pid"])
+    assert death["action"] == "restart" and death["how"] == "killed" and death["restarted_pid"] is not None
     log = broker.output()
     assert "Restarting crashed queue 'dq' in vhost '/'." in log
     assert {"stage_died", "stage_restarted"} <= telemetry_events(broker)
@@ -216,7 +213,7 @@ def test_a_consumer_that_did_not_ask_for_cancel_notify_has_its_channel_closed_wh
     s.sendall(frame.marshal(commands.Channel.Open(), 1) + frame.marshal(commands.Queue.Declare(queue="cq"), 1)
               + frame.marshal(commands.Basic.Consume(queue="cq", consumer_tag="c1"), 1))
     frames_until(s, lambda got: "Basic.ConsumeOk" in names(got))
-    os.kill(broker.process("queue-cq")["pid"], signal.SIGKILL)
+    broker.kill("queue-cq")
     got = frames_until(s, lambda got: "Channel.Close" in names(got))
     close = [f for f in got if f.name == "Channel.Close"][0]
     assert close.reply_code == 404 and "crashed" in close.reply_text and "c1" in close.reply_text
@@ -369,3 +366,38 @@ def test_a_no_ack_consumer_that_stops_reading_holds_back_only_what_its_buffers_h
     left = broker.process("queue-stalled")["messages"]
     assert left >= 16_000, f"only {left} of 20,000 still in the queue: the reader kept pulling"
     s.close()
+
+
+def test_connections_share_reader_and_channel_processes_and_a_killed_host_takes_only_its_own(start_broker):
+    broker = start_broker("--pool", "2")
+    conns = [connect(broker) for _ in range(6)]
+    chans = [c.channel() for c in conns]
+    chans[0].queue_declare("shared")
+    status = broker.wait_for(lambda s: sum(1 for n, p in s["processes"].items()
+                                           if n.startswith("channel-") and p["alive"]) == 6, what="six channels")
+    hosts = status["hosts"]
+    assert sorted(h["kind"] for h in hosts.values()) == ["channel", "channel", "queue", "reader", "reader"]
+    assert sorted(h["stages"] for n, h in hosts.items() if h["kind"] == "reader") == [3, 3]
+    readers = {n: p for n, p in status["processes"].items() if n.startswith("reader-")}
+    assert len({p["pid"] for p in readers.values()}) == 2, "six connections, two reader processes"
+    victim_host = readers["reader-1"]["host"]
+    victim_pid = hosts[victim_host]["pid"]
+    gone = sorted(n for n, p in readers.items() if p["host"] == victim_host)
+    os.kill(victim_pid, signal.SIGKILL)
+    status = broker.wait_for(lambda s: {d["name"] for d in s["deaths"]} >= set(gone), what="its readers' deaths")
+    assert all(d["how"] == "signal 9" and d["action"] == "close_connection"
+               for d in status["deaths"] if d["name"] in gone)
+    survivors = [(c, ch) for c, ch, n in zip(conns, chans, sorted(readers, key=lambda n: int(n.split("-")[1])))
+                 if n not in gone]
+    assert len(survivors) == 3
+    for c, ch in survivors:
+        ch.basic_publish("", "shared", b"on")
+    late = connect(broker)                       # a new host is started for new connections
+    lch = late.channel()
+    got = [lch.basic_get("shared", auto_ack=True)[2] for _ in range(3)]
+    assert got == [b"on"] * 3
+    assert broker.proc.poll() is None
+    assert "reader-pool-1 (pid" in broker.output() or "reader-pool-2 (pid" in broker.output()
+    for c, _ in survivors:
+        c.close()
+    late.close()

@@ -1,0 +1,291 @@
+"""A stage host: one OS process that runs many reader, channel or queue stages.
+
+RabbitMQ gives every connection, channel and queue an Erlang process of its
+own, at a few hundred KB each. Here stages are Python objects, so one OS
+process per connection costs megabytes; instead the supervisor keeps a pool
+of hosts per kind (``BrokerConfig.pool``, by default one per core) and places
+each new reader, channel or queue in the host of its kind with the fewest.
+
+Nothing about credit changes: every hosted stage keeps its own endpoints (inbox
+pipe, doorbell, control socket), its own links and its own ``CreditFlow``, so
+credit, ``flow`` and ``connection.blocked`` stay per connection and per
+channel. The host only multiplexes: one selector over every endpoint, a turn
+for each stage that has something to do, a timer heap for the ones that asked
+to wake later. A stage that raises is dropped and reported as crashed (exit
+code 70) while the others go on; ``kill`` drops one at once, as Erlang's
+``exit(Pid, kill)`` would; killing the host's OS process ends all it hosts, and
+the supervisor handles each of them as a death.
+
+Messages from the supervisor on the host's own control socket::
+
+    host  {name, kind, spec} + fds [inbox, doorbell, control(, socket)]
+    kill  {name}
+    stop  end once no stage is left
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import selectors
+import socket
+import sys
+import time
+import traceback
+
+from ipc import control
+from ipc.credit import CreditSpec
+from ipc.errors import CorruptRecord, PeerGone, WouldBlock
+from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, Stage
+
+EXIT_STAGE_CRASHED = 70
+KILLED = -9
+
+
+class StageView:
+    """One stage's view of its host's selector: what it registers comes back tagged with the stage."""
+
+    def __init__(self, selector: selectors.BaseSelector, stage):
+        self.selector = selector
+        self.stage = stage
+        self.fds: set[int] = set()
+
+    def register(self, fileobj, events, data=None):
+        key = self.selector.register(fileobj, events, (self.stage, data))
+        self.fds.add(key.fd)
+        return key
+
+    def modify(self, fileobj, events, data=None):
+        return self.selector.modify(fileobj, events, (self.stage, data))
+
+    def unregister(self, fileobj):
+        key = self.selector.unregister(fileobj)
+        self.fds.discard(key.fd)
+        return key
+
+    def close(self) -> None:
+        for fd in list(self.fds):
+            try:
+                self.selector.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        self.fds.clear()
+
+
+def build_stage(kind: str, name: str, spec: dict, cfg, ctl, inbox: int, bell: int, extra: list[int],
+                tls_context=None):
+    """The stage ``kind`` named ``name`` from its JSON ``spec`` and the broker's configuration."""
+    if kind == "reader":
+        from pipeline.reader import Reader
+        conn = socket.socket(fileno=extra[0])
+        if spec.get("tls"):
+            conn = tls_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        connection = {**spec["connection"], "loopback_users": frozenset(spec["connection"]["loopback_users"])}
+        return Reader(name, ctl, inbox, bell, cfg.credit, conn, connection=connection, alarms=spec["alarms"])
+    if kind == "channel":
+        from pipeline.channel import Channel
+        return Channel(name, ctl, inbox, bell, cfg.credit, number=spec["number"], reader=spec["reader"],
+                       frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us, cancel_notify=spec["cancel_notify"])
+    if kind == "queue":
+        from pipeline.broker.args import parse_queue_args
+        from pipeline.broker.definitions import arguments_from_json
+        from pipeline.queue import Queue
+        args = parse_queue_args(spec["queue"], arguments_from_json(spec["arguments"]))
+        return Queue(name, ctl, inbox, bell, cfg.credit, queue=spec["queue"], durable=spec["durable"],
+                     owner=spec["owner"], auto_delete=spec["auto_delete"], args=args,
+                     store_spec=CreditSpec(*spec["store_credit"]), delay_us=cfg.queue_delay_us,
+                     frame_max=cfg.frame_max, run_id=spec["run_id"], journal_dir=spec["journal_dir"],
+                     store_dir=spec["store_dir"], page_path=spec["page_path"], incarnation=spec["incarnation"],
+                     routing=spec["routing"])
+    raise ValueError(f"no stage kind {kind!r}")
+
+
+class Host:
+    def __init__(self, name: str, ctl, cfg, *, stats_interval_ns: int | None = None, tls_context=None):
+        self.name = name
+        self.ctl = ctl
+        self.cfg = cfg
+        self.tls_context = tls_context
+        self.stats_interval_ns = stats_interval_ns
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(ctl.fileno(), selectors.EVENT_READ, (None, "host"))
+        self.stages: dict[str, Stage] = {}
+        self.ready: set[Stage] = set()
+        self.timers: list = []             # (deadline ns, sequence, stage)
+        self.deadlines: dict[str, int] = {}
+        self.seq = 0
+        self.hand_on_until: dict[str, int] = {}    # stopped stages still handing on their overflow
+        self.stopping = False
+        Stage.selector_for = self.view_for
+
+    def view_for(self, stage) -> StageView:
+        return StageView(self.selector, stage)
+
+    # -- the supervisor's requests --------------------------------------------------------------
+    def on_host_control(self) -> None:
+        while True:
+            try:
+                msg, fds = control.recv_msg_nowait(self.ctl)
+            except WouldBlock:
+                return
+            except CorruptRecord:
+                continue
+            except PeerGone:
+                self.stopping = True
+                for stage in list(self.stages.values()):
+                    self.drop(stage, KILLED, "killed")
+                return
+            kind = msg.get("type")
+            if kind == "host":
+                self.add(msg, fds)
+            elif kind == "kill":
+                stage = self.stages.get(msg.get("name"))
+                if stage is not None:
+                    self.drop(stage, KILLED, "killed")
+            elif kind == "stop":
+                self.stopping = True
+            else:
+                for fd in fds:
+                    os.close(fd)
+
+    def add(self, msg: dict, fds: list[int]) -> None:
+        name = msg["name"]
+        inbox, bell, ctl_fd, *extra = fds
+        ctl = socket.socket(fileno=ctl_fd)
+        try:
+            stage = build_stage(msg["kind"], name, msg["spec"], self.cfg, ctl, inbox, bell, extra,
+                                tls_context=self.tls_context)
+        except Exception:
+            traceback.print_exc()
+            try:
+                control.send_msg(ctl, {"type": "exit", "code": EXIT_STAGE_CRASHED})
+            except (OSError, PeerGone):
+                pass
+            for fd in (inbox, bell, *extra):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            ctl.close()
+            return
+        stage.hosted = True
+        if self.stats_interval_ns is not None:
+            stage.stats_interval_ns = self.stats_interval_ns
+        self.stages[name] = stage
+        self.ready.add(stage)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> int:
+        select = self.selector.select
+        while not (self.stopping and not self.stages):
+            now = time.monotonic_ns()
+            if self.ready:
+                timeout = 0.0
+            elif self.timers:
+                timeout = max(0.0, (self.timers[0][0] - now) / 1e9)
+            else:
+                timeout = None
+            for key, _ in select(timeout):
+                stage, tag = key.data
+                if stage is None:
+                    self.on_host_control()
+                    continue
+                if self.stages.get(stage.name) is not stage:
+                    continue
+                try:
+                    stage.on_endpoint(tag, key._replace(data=tag))
+                except Exception:
+                    self.crashed(stage)
+                    continue
+                self.ready.add(stage)
+            now = time.monotonic_ns()
+            timers = self.timers
+            while timers and timers[0][0] <= now:
+                deadline, _, stage = heapq.heappop(timers)
+                if self.deadlines.get(stage.name) == deadline:
+                    del self.deadlines[stage.name]
+                    self.ready.add(stage)
+            ready, self.ready = self.ready, set()
+            for stage in ready:
+                if self.stages.get(stage.name) is stage:
+                    self.take_turn(stage)
+        return 0
+
+    def take_turn(self, stage: Stage) -> None:
+        now = time.monotonic_ns()
+        try:
+            if stage.running:
+                stage.turn()
+            else:
+                stage.flush_links()
+        except Exception:
+            self.crashed(stage)
+            return
+        if not stage.running:
+            self.ending(stage, now)
+            return
+        try:
+            timeout = stage.wait_timeout(time.monotonic_ns())
+        except Exception:
+            self.crashed(stage)
+            return
+        if timeout is not None:
+            self.wake(stage, time.monotonic_ns() + int(timeout * 1e9))
+
+    def wake(self, stage: Stage, at_ns: int) -> None:
+        if at_ns <= time.monotonic_ns():
+            self.ready.add(stage)
+            return
+        current = self.deadlines.get(stage.name)
+        if current is not None and current <= at_ns:
+            return
+        self.deadlines[stage.name] = at_ns
+        self.seq += 1
+        heapq.heappush(self.timers, (at_ns, self.seq, stage))
+
+    def ending(self, stage: Stage, now: int) -> None:
+        """A stage that stopped running hands on its overflow (its inbox still brings SPACE tokens),
+        then shuts down, as a process of its own would before exiting."""
+        until = self.hand_on_until.setdefault(stage.name, now + HAND_ON_LIMIT_NS)
+        if stage.overflowing() and now < until:
+            self.wake(stage, now + OVERFLOW_RETRY_MS * 1_000_000)
+            return
+        code, how = stage.exit_code, None
+        try:
+            stage.shutdown()
+        except Exception:
+            traceback.print_exc()
+            code = EXIT_STAGE_CRASHED
+        self.drop(stage, code, how)
+
+    def crashed(self, stage: Stage) -> None:
+        print(f"stage {stage.name} crashed in {self.name} (pid {os.getpid()}):", file=sys.stderr)
+        traceback.print_exc()
+        self.drop(stage, EXIT_STAGE_CRASHED, None)
+
+    def drop(self, stage: Stage, code: int, how: str | None) -> None:
+        """Forget ``stage``: tell the supervisor how it ended, close every endpoint it had."""
+        self.stages.pop(stage.name, None)
+        self.deadlines.pop(stage.name, None)
+        self.hand_on_until.pop(stage.name, None)
+        self.ready.discard(stage)
+        stage.selector.close()
+        if code == KILLED:                 # no goodbye: its links and socket just close
+            for link in list(stage.out_links.values()) + list(stage.in_links.values()):
+                link.close()
+            sock = getattr(stage, "sock", None)
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+        try:
+            control.send_msg(stage.ctl, {"type": "exit", "code": code, "how": how})
+        except (OSError, PeerGone):
+            pass
+        for closer in (stage.ctl.close, stage.doorbell.close, lambda: os.close(stage.inbox.fd)):
+            try:
+                closer()
+            except OSError:
+                pass
+
