@@ -238,7 +238,8 @@ class Reader(Stage):
             self.read_socket()          # decrypted bytes the kernel's readiness cannot show
             self.backlog = self.backlog or bool(self.sock.pending())
         self.parse(now_ns)
-        if now_ns - self.last_tick_ns >= 500_000_000:
+        due = self.conn.next_tick_ns()
+        if due is not None and now_ns >= due:
             self.last_tick_ns = now_ns
             event = self.conn.tick(now_ns)
             if isinstance(event, HeartbeatTimeout):
@@ -249,7 +250,10 @@ class Reader(Stage):
                 self.finish()
         if self.conn.state == "client_closing" and (
                 not self.channels or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS // 2):
-            self.conn.send_close_ok()      # every channel has said its last (or took too long)
+            # every channel has said its last (or took too long). The supervisor hears first, so the
+            # connection's exclusive queues are on their way out before the client learns it is closed
+            control.send_msg(self.ctl, {"type": "connection_closed"})
+            self.conn.send_close_ok()
         if now_ns < self.quiet_until_ns:
             self._set_interest()
             return
@@ -263,7 +267,8 @@ class Reader(Stage):
     def timeout_s(self, now_ns: int) -> float | None:
         if self.closing_since_ns is not None:
             return 0.1
-        return 0.5 if self.conn.heartbeat_s or self.conn.state != "open" else None
+        due = self.conn.next_tick_ns()        # an idle connection sleeps until a heartbeat is due
+        return None if due is None else max(0.0, (due - now_ns) / 1e9)
 
     def parse(self, now_ns: int) -> None:
         conn = self.conn

@@ -745,6 +745,9 @@ class Supervisor:
         elif kind == "open_channel":
             if proc.kind == "reader" and proc.state == "running":
                 self.open_channel(proc, int(msg["channel"]), bool(msg.get("cancel_notify")))
+        elif kind == "connection_closed":     # its exclusive queues go with it
+            if proc.kind == "reader":
+                self.delete_exclusive_queues(proc)
         elif kind == "close_channel":
             pass  # the channel process exits by itself; reaping tears its links down
         elif kind == "link_queue":

@@ -960,6 +960,22 @@ class ServerConnection:
             return HeartbeatTimeout()
         return None
 
+    def next_tick_ns(self) -> int | None:
+        """When ``tick`` next has something to do (a handshake deadline, a heartbeat to send, a silent
+        client to drop); None while it has nothing to time."""
+        if self.state in _BEFORE_OPEN and self._handshake_deadline_ns is not None:
+            return self._handshake_deadline_ns
+        hb = self.heartbeat_s
+        if not hb or self.state not in ("opening", "open"):
+            return None
+        interval_ns = hb * NS_PER_S
+        due = self._last_out_ns + interval_ns // 2
+        # bytes that came since the last tick put the client's deadline later than any tick can know
+        # yet: the next heartbeat out is soon enough to count them
+        if not self._monitor_paused and not self._fresh_bytes:
+            due = min(due, self._last_in_ns + HEARTBEAT_MISSES_ALLOWED * interval_ns + 1)
+        return due
+
     def pause_heartbeat_monitor(self) -> None:
         """Stop timing out a silent client (RabbitMQ does this while the connection is blocked)."""
         self._monitor_paused = True
