@@ -21,6 +21,9 @@ Messages from the supervisor on the host's own control socket::
     host  {name, kind, spec} + fds [inbox, doorbell, control(, socket)]
     kill  {name}
     stop  end once no stage is left
+
+and to it: ``exited {name, code, how}`` once a stage has ended and its
+endpoints are closed (its statistics went before, on its own socket).
 """
 
 from __future__ import annotations
@@ -158,7 +161,7 @@ class Host:
         except Exception:
             traceback.print_exc()
             try:
-                control.send_msg(ctl, {"type": "exit", "code": EXIT_STAGE_CRASHED})
+                control.send_msg(self.ctl, {"type": "exited", "name": name, "code": EXIT_STAGE_CRASHED})
             except (OSError, PeerGone):
                 pass
             for fd in (inbox, bell, *extra):
@@ -279,8 +282,10 @@ class Host:
                     sock.close()
                 except OSError:
                     pass
+        # on the host's own socket: a stage's socket closed with the supervisor's last messages unread
+        # reports only ECONNRESET at the other end, whatever was sent on it before
         try:
-            control.send_msg(stage.ctl, {"type": "exit", "code": code, "how": how})
+            control.send_msg(self.ctl, {"type": "exited", "name": stage.name, "code": code, "how": how})
         except (OSError, PeerGone):
             pass
         for closer in (stage.ctl.close, stage.doorbell.close, lambda: os.close(stage.inbox.fd)):

@@ -265,6 +265,8 @@ class Reader(Stage):
         self._set_interest()
 
     def timeout_s(self, now_ns: int) -> float | None:
+        if now_ns < self.quiet_until_ns:      # a refused login: answered at this time
+            return (self.quiet_until_ns - now_ns) / 1e9
         if self.closing_since_ns is not None:
             return 0.1
         due = self.conn.next_tick_ns()        # an idle connection sleeps until a heartbeat is due

@@ -322,9 +322,11 @@ class Stage:
             else:
                 link = InLink(msg["link"], msg["peer"], msg["ring"], fds[0], msg["flow"])
                 self.in_links[link.link_id] = link
-        except OSError:
+        except shm.SegmentNotFound:
             # The link was torn down before this attach arrived (its other end ended and the
             # supervisor unlinked the ring): its detach follows; there is nothing to attach.
+            # Any other failure (out of descriptors, of memory) raises: this stage cannot go on
+            # without the link, and is handled as a death, never left to drop what it was sent.
             for fd in fds:
                 try:
                     os.close(fd)

@@ -182,9 +182,15 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def fds_in_use() -> int:
+def fds_in_use(pid: int | None = None) -> int:
+    """Descriptors open in this process (or in ``pid``)."""
+    if pid is None:
+        try:
+            return len(os.listdir("/proc/self/fd")) - 1        # less the one listdir itself holds
+        except OSError:
+            return 0
     try:
-        return len(os.listdir("/proc/self/fd")) - 1        # less the one listdir itself holds
+        return len(os.listdir(f"/proc/{pid}/fd"))
     except OSError:
         return 0
 
@@ -535,6 +541,7 @@ class Supervisor:
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     self.pause_accepting(f"cannot accept a connection: {exc}")
                 return               # ECONNABORTED and the like: that client gave up
+            self.fds_used += FDS_PER_CONNECTION        # until the next count: each accept's share
             self.start_reader(sock, addr, tls)
 
     def check_fds(self) -> bool:
@@ -544,10 +551,8 @@ class Supervisor:
             return False
         was = self.fd_alarm
         now = time.monotonic_ns()
-        if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS:     # listing /proc/self/fd costs per entry
-            self.fds_used, self.fds_counted_ns = fds_in_use(), now
-        else:
-            self.fds_used += FDS_PER_CONNECTION                   # between counts: each accept's share
+        if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS:     # listing /proc/*/fd costs per entry
+            self.fds_used, self.fds_counted_ns = self.fds_fullest(), now
         self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was)
         if self.fd_alarm and not was:
             self.log("warning", ["file descriptor limit alarm set.", "",
@@ -560,6 +565,10 @@ class Supervisor:
             self.telemetry.event("fd_alarm_cleared", "supervisor", {"limit": self.fd_limit})
         self.set_accepting()
         return self.fd_alarm
+
+    def fds_fullest(self) -> int:
+        """Descriptors in use in the supervisor or the fullest host: every one of them has the same limit."""
+        return max([fds_in_use(), *(fds_in_use(p.pid) for p in self.procs.values() if p.kind == "host")])
 
     def pause_accepting(self, why: str) -> None:
         self.log("warning", [f"{why}; not accepting for {ACCEPT_PAUSE_S} s"])
@@ -712,11 +721,9 @@ class Supervisor:
                 continue
             except (PeerGone, OSError):
                 try:
-                    self.selector.unregister(proc.ctl)   # it is ending; SIGCHLD reaps it
+                    self.selector.unregister(proc.ctl)   # it is ending: SIGCHLD, or its host, says how
                 except (KeyError, ValueError):
                     pass
-                if proc.exit_code is not None and not proc.reaped and self.procs.get(proc.name) is proc:
-                    self.ended(proc, proc.exit_code)     # a hosted stage: its host said how it ended
                 return
             for fd in fds:
                 os.close(fd)
@@ -736,8 +743,11 @@ class Supervisor:
                 self.check_paging(msg)
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
-        elif kind == "exit" and proc.host is not None:     # its host closes its socket next
-            proc.exit_code, proc.exit_how = int(msg.get("code", EXIT_STAGE_CRASHED)), msg.get("how")
+        elif kind == "exited" and proc.kind == "host":     # one of its stages ended
+            stage = self.procs.get(msg.get("name"))
+            if stage is not None and stage.host == proc.name and not stage.reaped:
+                stage.exit_code, stage.exit_how = int(msg.get("code", EXIT_STAGE_CRASHED)), msg.get("how")
+                self.ended(stage, stage.exit_code)
         elif kind == "disk_written":           # a stage wrote DISK_NUDGE_BYTES: measure free disk now
             wd = self.procs.get("watchdog")
             if wd is not None and wd.state == "running":
@@ -1063,7 +1073,7 @@ class Supervisor:
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
                 "now_ns": now, "processes": processes, "hosts": hosts, "links": links, "alarms": self.alarms,
                 "deaths": self.deaths, "queues": queues,
-                "fd": {"used": fds_in_use(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
+                "fd": {"used": self.fds_fullest(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
 
     def sample(self) -> None:
         """Every SAMPLE_INTERVAL_MS: count each process's reported state (for flow_fraction)."""

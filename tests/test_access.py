@@ -124,7 +124,8 @@ def test_the_data_directory_and_its_files_are_the_owners_alone(start_broker):
 
 def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_broker):
     """RabbitMQ's file_descriptor_limit alarm: past the share connections may take, the listener stops
-    accepting (clients wait in the backlog); open connections carry on; closing some lets new ones in."""
+    accepting (clients wait in the backlog); open connections carry on; closing some lets new ones in.
+    What counts is the supervisor or the fullest host process, whichever holds more."""
     broker = start_broker(nofile=256)
     conns = []
     refused = 0
@@ -146,11 +147,11 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
     assert "*** New connections will not be accepted until this alarm clears ***" in broker.output()
     for _, ch in conns:                                  # every open connection still works
         ch.basic_publish("", "q0", b"still going")
-    for conn, _ in conns[:6]:
+    for conn, _ in conns[:len(conns) // 2]:    # the queue all of them published to holds a link to each
         conn.close()
     broker.wait_for(lambda s: not s["fd"]["alarm"], what="the alarm to clear")
     with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
         assert conn.channel().queue_declare("q0", passive=True).method.message_count == len(conns)
-    for conn, _ in conns[6:]:
+    for conn, _ in conns[len(conns) // 2:]:
         conn.close()
     assert "file descriptor limit alarm cleared" in broker.output()

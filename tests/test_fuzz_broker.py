@@ -70,7 +70,7 @@ HEALTH_QUEUE = "fuzz-health"
 EXCHANGES = ("", "amq.direct", "amq.fanout", "amq.topic", "fuzz-x", "amq.nope")
 CAPABILITIES = {"authentication_failure_close": True, "connection.blocked": True, "publisher_confirms": True,
                 "basic.nack": True, "consumer_cancel_notify": True, "exchange_exchange_bindings": True}
-TRANSIENT_STAGES = ("cf-reader", "cf-channel")
+TRANSIENT_STAGES = ("reader-", "channel-")
 
 
 def frame(ftype: int, channel: int, payload: bytes, size: int | None = None, end: int = frames.FRAME_END) -> bytes:
@@ -514,24 +514,24 @@ class Footprint:
                 and self.fds == base.fds and self.shm == base.shm)
 
 
-def footprint(pid: int, shm_prefix: str) -> Footprint:
-    fixed, queues, transient = [], 0, 0
+def footprint(broker, shm_prefix: str) -> Footprint:
+    """Processes (the hosts, the store, the watchdog), the stages ``ctl status`` lists alive, the
+    supervisor's descriptors and the run's shared-memory entries."""
+    pid = broker.proc.pid
+    fixed = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
-            name = child.name()
+            fixed.append(child.name())
         except psutil.NoSuchProcess:
             continue
-        if name.startswith(TRANSIENT_STAGES):
-            transient += 1
-        elif name.startswith("cf-queue"):
-            queues += 1
-        else:
-            fixed.append(name)
+    alive = [n for n, p in broker.status()["processes"].items() if p.get("alive")]
+    transient = sum(1 for n in alive if n.startswith(TRANSIENT_STAGES))
+    queues = sum(1 for n in alive if n.startswith("queue-"))
     return Footprint(tuple(sorted(fixed)), queues, transient, len(os.listdir(f"/proc/{pid}/fd")),
                      sum(1 for n in os.listdir("/dev/shm") if shm_prefix in n))
 
 
-def wait_settled(pid: int, shm_prefix: str, base: Footprint | None) -> tuple[Footprint, Footprint | None]:
+def wait_settled(broker, shm_prefix: str, base: Footprint | None) -> tuple[Footprint, Footprint | None]:
     """Wait for the footprint to come back to ``base``; returns (the footprint, the baseline from now on).
 
     Without a ``base``, the first steady footprint with no fuzzed connection
@@ -541,7 +541,7 @@ def wait_settled(pid: int, shm_prefix: str, base: Footprint | None) -> tuple[Foo
     deadline = time.monotonic() + SETTLE_S
     last = None
     while True:
-        now = footprint(pid, shm_prefix)
+        now = footprint(broker, shm_prefix)
         if base is not None and now.settled_like(base):
             return now, base
         if now.transient == 0 and now == last and (
@@ -628,7 +628,7 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
         ch.queue_declare(name)
     conn.close()
     pika_round_trip(port, broker, "before any input")
-    _, base = wait_settled(pid, shm_prefix, None)
+    _, base = wait_settled(broker, shm_prefix, None)
     assert base is not None, "the broker never settled after the setup's connections"
     rss_before_mb = psutil.Process(pid).memory_info().rss / 2 ** 20
 
@@ -645,7 +645,7 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
             assert broker.proc.poll() is None, (f"the broker died after input {first + len(batch)}:\n"
                                                 f"{broker.output()[-6000:]}")
             pika_round_trip(port, broker, f"after {first + len(batch)} inputs")
-            now, new_base = wait_settled(pid, shm_prefix, base)
+            now, new_base = wait_settled(broker, shm_prefix, base)
             assert now.settled_like(new_base), (
                 f"after {first + len(batch)} inputs the broker did not return to its baseline within "
                 f"{SETTLE_S} s: now {now}, baseline {base}\nlast log lines:\n{broker.output()[-3000:]}")

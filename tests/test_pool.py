@@ -1,0 +1,71 @@
+"""Stage hosts with real processes: many connections, channels and queues to a few OS processes.
+
+Readers, channels and queues run in ``--pool`` hosts per kind; each stage
+keeps its own endpoints and credit. Checked as a user sees it: the processes
+``ctl status`` lists, messages counted, and what a deleted queue leaves in
+/dev/shm and on disk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pika
+import pytest
+
+pytestmark = [pytest.mark.processes, pytest.mark.timeout(180)]
+
+
+def connect(broker) -> pika.BlockingConnection:
+    return pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+
+
+def rings(run_id: str) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"creditflow-{run_id}-")}
+
+
+def hosted(status: dict, kind: str) -> list[int]:
+    return sorted(h["stages"] for h in status["hosts"].values() if h["kind"] == kind)
+
+
+def test_many_queues_share_two_processes_and_deleted_queues_leave_no_ring_file_or_stage(start_broker):
+    broker = start_broker("--pool", "2")
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    run_id = broker.status()["run_id"]
+    before = rings(run_id)
+    for i in range(100):
+        ch.queue_declare(f"d{i}", durable=True)
+        ch.basic_publish("", f"d{i}", f"m{i}".encode(), properties=pika.BasicProperties(delivery_mode=2))
+    owner = connect(broker)
+    och = owner.channel()
+    for i in range(50):
+        och.queue_declare(f"x{i}", exclusive=True)
+    auto = connect(broker)
+    ach = auto.channel()
+    tags = []
+    for i in range(50):
+        ach.queue_declare(f"a{i}", auto_delete=True)
+        tags.append(ach.basic_consume(f"a{i}", lambda *a: None))
+    status = broker.wait_for(lambda s: sum(hosted(s, "queue")) == 200, what="200 queues in their hosts")
+    assert len(hosted(status, "queue")) == 2, "200 queues, two queue processes"
+    assert min(hosted(status, "queue")) >= 90, "placed in the host with the fewest"
+    queue_pids = {p["pid"] for n, p in status["processes"].items() if n.startswith("queue-") and p["alive"]}
+    assert len(queue_pids) == 2
+    assert ch.basic_get("d42", auto_ack=True)[2] == b"m42"
+    journals = os.listdir(broker.data_dir / "queues")
+    assert len(journals) >= 100
+    for i in range(100):
+        ch.queue_delete(f"d{i}")
+    owner.close()                       # its exclusive queues go with it
+    for tag in tags:                    # an auto-delete queue goes with its last consumer
+        ach.basic_cancel(tag)
+    status = broker.wait_for(lambda s: sum(hosted(s, "queue")) == 0 and not s["queues"],
+                             what="every queue gone")
+    assert hosted(status, "queue") == [0, 0]
+    new = rings(run_id) - before         # what is left: the open auto connection's reader<->channel rings
+    assert len(new) <= 2, f"rings left after the queues went: {sorted(new)}"
+    assert [j for j in os.listdir(broker.data_dir / "queues") if j.startswith(("d", "x", "a"))] == []
+    conn.close()
+    auto.close()
