@@ -939,6 +939,25 @@ def test_a_paused_monitor_never_times_out_and_resumes_from_now():
 def test_no_heartbeats_when_the_client_asks_for_none():
     conn = opened(heartbeat_s=0)
     assert conn.tick(10_000 * S) is None and conn.data_to_send() == b""
+    assert conn.next_tick_ns() is None, "an idle connection without heartbeats needs no timer at all"
+
+
+def test_the_next_tick_is_when_tick_has_something_to_do_and_not_before():
+    waiting = start(handshake_timeout_s=10)
+    assert waiting.next_tick_ns() == 10 * S, "the handshake deadline"
+    conn = opened(heartbeat_s=10)
+    due = conn.next_tick_ns()
+    assert due == 5 * S
+    assert conn.tick(due - 1) is None and conn.data_to_send() == b""
+    assert conn.tick(due) is None and conn.data_to_send() == frames.encode_heartbeat()
+    assert conn.next_tick_ns() == 10 * S, "the next heartbeat out"
+    assert conn.tick(10 * S) is None and conn.data_to_send() == frames.encode_heartbeat()
+    assert conn.next_tick_ns() == 15 * S
+    conn.note_sent(14 * S)                  # other traffic out puts the next heartbeat off
+    assert conn.next_tick_ns() == 19 * S
+    conn.tick(19 * S)
+    assert conn.next_tick_ns() == 20 * S + 1, "the silent client's deadline comes before the next heartbeat"
+    assert isinstance(conn.tick(20 * S + 1), HeartbeatTimeout)
 
 
 # -- connection.blocked ------------------------------------------------------------------------------------------
