@@ -291,23 +291,27 @@ class Supervisor:
             self.telemetry.log(level, line)
 
     # -- spawning ------------------------------------------------------------------
+    def endpoints(self, name: str):
+        """A new stage's inbox pipe (read, write), doorbell and control socketpair (ours, its); None (and a
+        log line) when the machine refuses a descriptor."""
+        made: list = []
+        try:
+            made += os.pipe()
+            made.append(Doorbell())
+            made += control.socketpair()
+        except OSError as exc:
+            self.log("error", [f"cannot start {name}: {exc}"])
+            _close_endpoints(made)
+            return None
+        return tuple(made)
+
     def spawn(self, name: str, kind: str, factory, extra_keep: tuple[int, ...] = (), **info) -> Proc | None:
         """Fork a stage; None (and a log line) if the machine refuses a process or a descriptor."""
-        try:
-            inbox_r, inbox_w = os.pipe()
-        except OSError as exc:
-            self.log("error", [f"cannot start {name}: {exc}"])
+        made = self.endpoints(name)
+        if made is None:
             return None
-        endpoints = [inbox_r, inbox_w]
-        try:
-            doorbell = Doorbell()
-            endpoints.append(doorbell)
-            parent_ctl, child_ctl = control.socketpair()
-            endpoints += [parent_ctl, child_ctl]
-        except OSError as exc:
-            self.log("error", [f"cannot start {name}: {exc}"])
-            _close_endpoints(endpoints)
-            return None
+        inbox_r, inbox_w, doorbell, parent_ctl, child_ctl = made
+        endpoints = list(made)
         old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT})
         try:
             pid = os.fork()
@@ -353,22 +357,16 @@ class Supervisor:
         host = self.host_for(kind)
         if host is None:
             return None
-        try:
-            inbox_r, inbox_w = os.pipe()
-        except OSError as exc:
-            self.log("error", [f"cannot start {name}: {exc}"])
+        made = self.endpoints(name)
+        if made is None:
             return None
-        endpoints = [inbox_r, inbox_w]
+        inbox_r, inbox_w, doorbell, parent_ctl, child_ctl = made
         try:
-            doorbell = Doorbell()
-            endpoints.append(doorbell)
-            parent_ctl, child_ctl = control.socketpair()
-            endpoints += [parent_ctl, child_ctl]
             host.outbox.put({"type": "host", "name": name, "kind": kind, "spec": spec},
                             [inbox_r, doorbell.fileno(), child_ctl.fileno(), *extra_fds])
         except OSError as exc:
             self.log("error", [f"cannot start {name}: {exc}"])
-            _close_endpoints(endpoints)
+            _close_endpoints(made)
             return None
         self.want_write(host)
         os.close(inbox_r)           # the outbox holds duplicates until the host has them
