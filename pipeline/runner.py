@@ -151,12 +151,13 @@ def drain_summary(result) -> dict:
 def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
-        samples = p.get("samples") or {}
-        n = samples.get("samples", 0)
+        seconds = p.get("seconds") or {}
+        total = seconds.get("total", 0.0)
         processes[name] = {
             "kind": p.get("kind"), "pid": p.get("pid"),
-            "flow_fraction": round(samples.get("flow", 0) / n, 4) if n else 0.0,
-            "blocked_fraction": round(samples.get("blocked", 0) / n, 4) if n else 0.0,
+            "flow_fraction": round(seconds.get("flow", 0.0) / total, 4) if total else 0.0,
+            "blocked_fraction": round(seconds.get("blocked", 0.0) / total, 4) if total else 0.0,
+            "state_seconds": {k: round(v, 3) for k, v in seconds.items()},
             "blocked_seconds": round((p.get("blocked_total_ns") or 0) / 1e9, 3),
             "block_count": p.get("block_count", 0),
             "final_state": p.get("state"),

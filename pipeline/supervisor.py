@@ -57,6 +57,7 @@ from pipeline.broker.args import QueueError
 from pipeline.amqp.errors import AmqpError
 from pipeline.broker.definitions import (DEFINITIONS_FILE, Definitions, QueueDef, arguments_from_json,
                                          arguments_to_json, not_found_queue, queue_stopped, refused)
+from pipeline.broker.process_states import StateClock, state_at
 from pipeline.host import Host, build_stage
 
 EXIT_OK = 0
@@ -67,7 +68,8 @@ EXIT_STAGE_CRASHED = 70
 
 RING_BYTES = 4 * 1024 * 1024
 STOP_GRACE_S = 3.0
-SAMPLE_INTERVAL_MS = 100
+IDLE_WAKE_S = 1.0                   # with nothing due, the loop still wakes this often (telemetry flush)
+FD_RECHECK_S = 0.1                  # while the fd alarm is set, descriptors are recounted this often
 UNTRACED_STATS_INTERVAL_MS = 1000   # --telemetry off: what status and the live view still need
 ENDED_KEPT = 256                    # ended processes whose last statistics ctl status still shows
 DEATHS_KEPT = 1000
@@ -119,7 +121,7 @@ class BrokerConfig:
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
 
 
-@dataclass
+@dataclass(eq=False)                # one Proc per process incarnation: compared and hashed by identity
 class Proc:
     name: str
     kind: str
@@ -235,7 +237,8 @@ class Supervisor:
         self.next_conn = 1
         self.defs = Definitions()
         self.stats: dict[str, dict] = {}
-        self.samples: dict[str, dict] = {}
+        self.clock = StateClock()                         # each process's state, on change only
+        self.tokens_waiting: set[Proc] = set()            # stages whose inbox pipe was full
         self.selector = selectors.DefaultSelector()
         self.running = True
         self.exit_code = EXIT_OK
@@ -452,15 +455,22 @@ class Supervisor:
         self.flush_tokens(proc)
 
     def flush_tokens(self, proc: Proc) -> None:
+        """Write what its inbox pipe takes; the rest waits in ``tokens_waiting`` for the next loop."""
         while proc.tokens:
             try:
                 n = os.write(proc.inbox_w, proc.tokens[:4096 - 4096 % tokens.TOKEN_BYTES])
             except BlockingIOError:
+                self.tokens_waiting.add(proc)
                 return
             except OSError:                 # its reader is gone: nobody to tell
                 proc.tokens.clear()
-                return
+                break
             del proc.tokens[:n]
+        self.tokens_waiting.discard(proc)
+
+    def flush_waiting_tokens(self) -> None:
+        for p in list(self.tokens_waiting):
+            self.flush_tokens(p)
 
     # -- the stages ------------------------------------------------------------------
     def start_store(self) -> Proc | None:
@@ -735,6 +745,7 @@ class Supervisor:
         kind = msg.get("type")
         if kind == "stats":
             self.stats[proc.name] = msg
+            self.record_state(self.clock.observe(proc.name, msg, time.monotonic_ns()))
             if self.cfg.telemetry:
                 self.telemetry.stats(msg)
             if proc.kind == "watchdog":
@@ -1006,7 +1017,7 @@ class Supervisor:
         self.send_held_replies()
 
     def send_held_replies(self) -> None:
-        if not self.replies_after_tokens or any(p.tokens for p in self.procs.values() if p.kind == "reader"):
+        if not self.replies_after_tokens or any(p.tokens for p in self.tokens_waiting if p.kind == "reader"):
             return
         for client, reply in self.replies_after_tokens:
             self.ctl.reply(client, reply)
@@ -1057,7 +1068,7 @@ class Supervisor:
                 **{k: v for k, v in st.items() if k not in ("type", "fsync_events", "state")},
                 "kind": st.get("kind"), "pid": proc.pid if proc is not None else st.get("pid"),
                 "host": proc.host if proc is not None else None,
-                "alive": proc is not None, "state": state_at(st, now), "samples": self.samples.get(name, {}),
+                "alive": proc is not None, "state": state_at(st, now), "seconds": self.clock.seconds(name, now),
                 "restarts": self.incarnations.get(name, 0),
             }
         links = {}
@@ -1073,19 +1084,24 @@ class Supervisor:
                 "deaths": self.deaths, "queues": queues,
                 "fd": {"used": self.fds_fullest(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
 
-    def sample(self) -> None:
-        """Every SAMPLE_INTERVAL_MS: count each process's reported state (for flow_fraction)."""
+    def record_state(self, change) -> None:
+        if change is not None and self.cfg.telemetry:
+            self.telemetry.state(change.at_ns, change.name, change.kind, change.state)
+
+    def tick(self) -> float:
+        """Record the states time alone changed; seconds until something is next due."""
         now = time.monotonic_ns()
-        for name, st in self.stats.items():
-            if name not in self.procs:
-                continue
-            s = self.samples.setdefault(name, {"samples": 0, "flow": 0, "blocked": 0, "blocking": 0})
-            state = state_at(st, now)
-            s["samples"] += 1
-            if state in s:
-                s[state] += 1
-            if self.cfg.telemetry:
-                self.telemetry.state(now, name, st.get("kind"), state)
+        for change in self.clock.tick(now):
+            self.record_state(change)
+        self.telemetry.flush_if_due()
+        if self.fd_alarm:
+            self.check_fds()
+        wait = IDLE_WAKE_S
+        if self.clock.deadlines:
+            wait = min(wait, max(0.0, (self.clock.deadlines[0][0] - now) / 1e9))
+        if self.fd_alarm:
+            wait = min(wait, FD_RECHECK_S)
+        return wait
 
     # -- children that end -------------------------------------------------------------------
     def reap(self) -> None:
@@ -1149,6 +1165,7 @@ class Supervisor:
     def close_proc(self, proc: Proc) -> None:
         """Take what it said last (a log line, final statistics), then close its endpoints here."""
         self.on_proc_msg(proc, limit=100_000)
+        self.record_state(self.clock.end(proc.name, time.monotonic_ns()))
         if self.procs.get(proc.name) is proc:
             del self.procs[proc.name]
         try:
@@ -1156,6 +1173,7 @@ class Supervisor:
         except (KeyError, ValueError):
             pass
         proc.outbox.drop()
+        self.tokens_waiting.discard(proc)
         proc.ctl.close()
         os.close(proc.inbox_w)
         proc.doorbell.close()
@@ -1170,7 +1188,7 @@ class Supervisor:
             old = self.ended_names.popleft()
             if old not in self.procs:
                 self.stats.pop(old, None)
-                self.samples.pop(old, None)
+                self.clock.forget(old)
         del self.deaths[:-DEATHS_KEPT]
 
     def after_forget(self, proc: Proc, verdict) -> None:
@@ -1301,28 +1319,20 @@ class Supervisor:
             self.start_watchdog()
             self.load_definitions()
             self.write_broker_file()
-            next_sample = time.monotonic()
+            next_tick = time.monotonic()
             while self.running:
-                timeout = max(0.0, next_sample - time.monotonic())
-                if any(p.tokens for p in self.procs.values()):
+                timeout = max(0.0, next_tick - time.monotonic())
+                if self.tokens_waiting:
                     timeout = min(timeout, TOKEN_RETRY_S)
                 if self.accept_paused_until:
                     timeout = min(timeout, max(0.0, self.accept_paused_until - time.monotonic()))
                 for key, events in self.selector.select(timeout):
                     self.dispatch(key.data, events)
-                for p in list(self.procs.values()):
-                    if p.tokens:
-                        self.flush_tokens(p)
+                self.flush_waiting_tokens()
                 self.send_held_replies()
                 self.resume_accepting()
-                if time.monotonic() >= next_sample:
-                    next_sample += SAMPLE_INTERVAL_MS / 1000
-                    if next_sample < time.monotonic():
-                        next_sample = time.monotonic() + SAMPLE_INTERVAL_MS / 1000
-                    self.sample()
-                    self.telemetry.flush_if_due()
-                    if self.fd_alarm:
-                        self.check_fds()
+                if time.monotonic() >= next_tick or self.clock.deadlines:
+                    next_tick = time.monotonic() + self.tick()
         except BaseException as exc:
             self.log("error", [f"supervisor failed: {exc!r}", *traceback.format_exc().rstrip().splitlines()])
             self.exit_code = EXIT_STAGE_CRASHED
@@ -1420,9 +1430,7 @@ class Supervisor:
                     self.on_proc_ready(arg, events)
                 except Exception:
                     pass
-        for p in list(self.procs.values()):
-            if p.tokens:
-                self.flush_tokens(p)
+        self.flush_waiting_tokens()
         self.reap()
 
 
@@ -1432,18 +1440,6 @@ def _close_endpoints(endpoints) -> None:
             e.close() if hasattr(e, "close") else os.close(e)
         except OSError:
             pass
-
-
-def state_at(st: dict, now_ns: int) -> str:
-    """A process's reported state now: a reader's connection state; RabbitMQ's 1 s flow rule otherwise."""
-    if st.get("kind") == "reader" and st.get("conn_state"):
-        return st["conn_state"]
-    if st.get("blocked"):
-        return "flow"
-    started = st.get("block_started_ns")
-    if started is not None and now_ns - started < 1_000_000_000:
-        return "flow"
-    return "running"
 
 
 def run_broker(cfg: BrokerConfig, out=None) -> int:

@@ -251,19 +251,35 @@ def test_plots_draw_the_data(alarm_run):
     assert colour_pixels(report / "fsync.png", FSYNC_BROWN) > 200
 
 
-def test_state_table_counts_every_sample(alarm_run):
+def test_state_table_times_every_span(alarm_run):
+    """Each row holds until the process's next one; its last row closes its last span."""
     run, written, _index = alarm_run
     rows = read_csv(run / "report" / "tables" / "process_states.csv")
-    got = {(r["name"], r["state"]): int(r["samples"]) for r in rows}
+    got = {(r["name"], r["state"]): float(r["seconds"]) for r in rows}
     expected = {}
     for name, states in written.items():
         for state in set(states):
-            expected[(name, state)] = states.count(state)
+            expected[(name, state)] = pytest.approx(states[:-1].count(state) * SAMPLE_NS / 1e9, abs=0.002)
     assert got == expected
     closing = next(r for r in rows if r["name"] == "reader-2" and r["state"] == "closing")
-    assert float(closing["seconds"]) == pytest.approx(DRAIN_S * 10 * 0.1, abs=0.01)
+    assert float(closing["seconds"]) == pytest.approx((DRAIN_S * 10 - 1) * 0.1, abs=0.01)
     for name in PROCESSES:   # fractions of a process add up to one
         assert sum(float(r["fraction"]) for r in rows if r["name"] == name) == pytest.approx(1.0, abs=0.001)
+
+
+def test_flow_is_timed_from_state_changes_alone(spark):
+    """Rows written only on change: a process in flow since before the window counts from its start."""
+    s = 1_000_000_000
+    rows = [(0, "reader-1", "reader", "flow"), (10 * s, "reader-1", "reader", "running"),
+            (12 * s, "reader-1", "reader", "running"),                               # its end
+            (0, "queue-q", "queue", "running"), (7 * s, "queue-q", "queue", "blocked"),
+            (9 * s, "queue-q", "queue", "running"), (12 * s, "queue-q", "queue", "running")]
+    states = spark.createDataFrame(rows, "at_ns long, name string, kind string, state string")
+    got = rules.flow_fractions(states, 5 * s, 11 * s)
+    assert got["reader-1"] == ("reader", pytest.approx(5 / 6), pytest.approx(6.0), 0.0)
+    assert got["queue-q"] == ("queue", 0.0, pytest.approx(6.0), pytest.approx(2 / 6))
+    whole = rules.flow_fractions(states, None, None)
+    assert whole["reader-1"][1] == pytest.approx(10 / 12)
 
 
 def test_link_and_summary_tables(alarm_run):

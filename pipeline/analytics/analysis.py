@@ -10,9 +10,10 @@ Time axis: seconds since the load generator started (``seconds.jsonl``'s
 use; a run without a load generator counts from the supervisor's first state
 sample.
 
-State durations: each 100 ms state sample stands for the time until the
-same process's next sample; a process's last sample stands for one sampling
-interval (``SAMPLE_INTERVAL_NS``).
+State durations: each state row holds until the same process's next row.
+The supervisor writes a row when a process's state changes and one when the
+process ends (older runs sampled every 100 ms; they read the same way), so a
+process's last row closes its last span and stands for no time itself.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from pipeline.analytics.diagnosis import STEADY_SKIP_NS, Diagnosis, diagnose, fl
 from pipeline.analytics.load import RunFrames, pick
 
 NS_PER_S = 1_000_000_000
-SAMPLE_INTERVAL_NS = 100_000_000
 PERCENTILES = ("min", "p50", "p75", "p95", "p99", "max")
 STATES = ("running", "flow", "blocking", "blocked", "closing")
 
@@ -41,7 +41,7 @@ class RunAnalysis:
     origin_ns: int
     seconds: list[dict] = field(default_factory=list)      # t, sent, confirmed, received, consumer_*, confirm_*
     segments: list[tuple] = field(default_factory=list)    # (name, kind, state, start_s, end_s)
-    state_time: list[dict] = field(default_factory=list)   # name, kind, state, samples, seconds, fraction
+    state_time: list[dict] = field(default_factory=list)   # name, kind, state, seconds, fraction
     links: list[dict] = field(default_factory=list)        # link, sender, receiver, max_in_flight, sent, overflow
     watchdog: list[dict] = field(default_factory=list)     # t, memory_used, memory_limit, disk_free, disk_limit
     alarm_spans: list[tuple] = field(default_factory=list)  # (source, start_s, end_s)
@@ -101,8 +101,7 @@ def _analyse(run: RunFrames) -> RunAnalysis:
     # State segments and time in each state (window functions over each process's samples).
     by_process = Window.partitionBy("name").orderBy("at_ns")
     samples = (run.states.where(F.col("name").isNotNull() & F.col("at_ns").isNotNull())
-               .withColumn("next_ns", F.coalesce(F.lead("at_ns").over(by_process),
-                                                 F.col("at_ns") + F.lit(SAMPLE_INTERVAL_NS)))
+               .withColumn("next_ns", F.coalesce(F.lead("at_ns").over(by_process), F.col("at_ns")))
                .withColumn("changed", F.when(F.lag("state").over(by_process).eqNullSafe(F.col("state")), 0)
                            .otherwise(1))
                .withColumn("segment", F.sum("changed").over(by_process.rowsBetween(Window.unboundedPreceding, 0))))
@@ -115,13 +114,12 @@ def _analyse(run: RunFrames) -> RunAnalysis:
                         result.t(r["end_ns"])) for r in segments]
     per_state = (samples.withColumn("duration_ns", F.col("next_ns") - F.col("at_ns"))
                  .groupBy("name", "state")
-                 .agg(F.first("kind", ignorenulls=True).alias("kind"), F.count(F.lit(1)).alias("samples"),
-                      F.sum("duration_ns").alias("duration_ns"))
-                 .withColumn("fraction", F.col("samples") / F.sum("samples").over(Window.partitionBy("name")))
+                 .agg(F.first("kind", ignorenulls=True).alias("kind"), F.sum("duration_ns").alias("duration_ns"))
+                 .withColumn("fraction", F.col("duration_ns") / F.sum("duration_ns").over(Window.partitionBy("name")))
                  .orderBy("name", "state").collect())
     result.state_time = [{"name": r["name"], "kind": r["kind"] or "", "state": r["state"] or "unknown",
-                          "samples": r["samples"], "seconds": round(r["duration_ns"] / NS_PER_S, 3),
-                          "fraction": round(r["fraction"], 4)} for r in per_state]
+                          "seconds": round(r["duration_ns"] / NS_PER_S, 3),
+                          "fraction": round(r["fraction"] or 0.0, 4)} for r in per_state]
     samples.unpersist()
 
     # Links: the largest values any snapshot reported, per sender->receiver pair.

@@ -12,8 +12,8 @@ bottleneck::
        yes        yes         no  ──────────────────▶ queue
        yes        yes         yes ──────────────────▶ message_store
 
-Evidence is the share of the supervisor's 100 ms state samples in which a
-stage read ``flow``, over the steady window: from one second after the load
+Evidence is the share of time a stage spent in ``flow`` (from the
+supervisor's state rows, one per change), over the steady window: from one second after the load
 generator started (start-up, spawning and the first credit round-trip are
 skipped) to its last per-second report (the drain that follows is not
 publishing). A memory or disk alarm shows as ``blocked``/``blocking``, not
@@ -45,10 +45,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-CONNECTION_FLOW_MIN = 0.10     # fraction of steady-window samples in flow
+CONNECTION_FLOW_MIN = 0.10     # fraction of the steady window in flow
 STAGE_FLOW_MIN = 0.10
 STEADY_SKIP_NS = 1_000_000_000  # the first second after the load starts
 
@@ -61,7 +61,7 @@ class Diagnosis:
     """Which stage holds the publishers back, and why the rules say so."""
 
     bottleneck: str                      # one of BOTTLENECKS
-    evidence: dict                       # kind -> fraction of samples in flow
+    evidence: dict                       # kind -> fraction of the window in flow
     rule: str                            # the rule that fired, in words
     processes: dict = field(default_factory=dict)   # kind -> {process name: fraction}
     window_s: tuple = (0.0, 0.0)         # steady window, seconds on the report's time axis
@@ -94,23 +94,29 @@ def apply_rules(evidence: dict) -> tuple[str, str]:
 
 
 def flow_fractions(states: DataFrame, start_ns: int | None,
-                   end_ns: int | None) -> dict[str, tuple[str, float, int, float]]:
-    """Per process over [start_ns, end_ns]: name -> (kind, share of samples in flow, samples,
-    share of samples blocked or blocking by an alarm)."""
-    df = states
-    if start_ns is not None:
-        df = df.where(F.col("at_ns") >= F.lit(start_ns))
-    if end_ns is not None:
-        df = df.where(F.col("at_ns") <= F.lit(end_ns))
-    rows = (df.groupBy("name")
-              .agg(F.first("kind", ignorenulls=True).alias("kind"),
-                   F.count(F.lit(1)).alias("samples"),
-                   F.sum(F.when(F.col("state") == "flow", 1).otherwise(0)).alias("in_flow"),
-                   F.sum(F.when(F.col("state").isin("blocked", "blocking"), 1).otherwise(0)).alias("alarmed"))
-              .collect())
-    return {row["name"]: (row["kind"] or "", row["in_flow"] / row["samples"], row["samples"],
-                          row["alarmed"] / row["samples"])
-            for row in rows if row["samples"]}
+                   end_ns: int | None) -> dict[str, tuple[str, float, float, float]]:
+    """Per process over [start_ns, end_ns]: name -> (kind, share of the time in flow, seconds seen,
+    share of the time blocked or blocking by an alarm).
+
+    Each state row holds from its time to the same process's next row (the supervisor writes a row
+    on every change and one when the process ends; older runs sampled every 100 ms, which reads the
+    same way), so a process in flow since before the window counts from the window's start."""
+    lo = F.lit(start_ns if start_ns is not None else -(2 ** 62))
+    hi = F.lit(end_ns if end_ns is not None else 2 ** 62)
+    by_process = Window.partitionBy("name").orderBy("at_ns")
+    spans = (states.where(F.col("name").isNotNull() & F.col("at_ns").isNotNull())
+             .withColumn("next_ns", F.coalesce(F.lead("at_ns").over(by_process), F.col("at_ns")))
+             .withColumn("ns", F.greatest(F.lit(0), F.least("next_ns", hi) - F.greatest("at_ns", lo))))
+    rows = (spans.groupBy("name")
+            .agg(F.first("kind", ignorenulls=True).alias("kind"),
+                 F.sum("ns").alias("ns"),
+                 F.sum(F.when(F.col("state") == "flow", F.col("ns")).otherwise(0)).alias("in_flow"),
+                 F.sum(F.when(F.col("state").isin("blocked", "blocking"), F.col("ns")).otherwise(0))
+                 .alias("alarmed"))
+            .collect())
+    return {row["name"]: (row["kind"] or "", row["in_flow"] / row["ns"], row["ns"] / 1e9,
+                          row["alarmed"] / row["ns"])
+            for row in rows if row["ns"]}
 
 
 def members(kinds: dict[str, str], links: list[dict], publishes: dict[str, int]) -> dict[str, list[str]]:

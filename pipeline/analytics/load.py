@@ -5,7 +5,7 @@ A run directory (``creditflow run`` / ``creditflow demo``) holds::
     summary.json              totals, latency percentiles, per-process summary, config
     seconds.jsonl             one load-generator report a second (time_s, rates, latency)
     telemetry/stats.parquet   every statistics() snapshot a stage pushed
-    telemetry/states.parquet  the supervisor's 100 ms state samples
+    telemetry/states.parquet  each process's state, a row per change
     telemetry/events.parquet  spawn, connection, alarm_set/alarm_clear, stage_died, fsync
 
 All timestamps are int64 nanoseconds of the machine-wide monotonic clock, so

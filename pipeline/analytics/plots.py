@@ -121,7 +121,7 @@ def latency(run: RunAnalysis, out_dir: str) -> Figure:
 
 
 def flow_timeline(run: RunAnalysis, out_dir: str) -> Figure:
-    title = "Process states over time (supervisor samples every 100 ms)"
+    title = "Process states over time"
     names = sorted({s[0] for s in run.segments}, key=_process_order)
     fig, ax = plt.subplots(figsize=(10, 1.0 + 0.38 * max(len(names), 3)))
     if not names:
@@ -294,7 +294,7 @@ def compare_flow(runs: list[RunAnalysis], out_dir: str) -> Figure:
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(kinds))])
     ax.set_xticklabels(kinds)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("fraction of samples in flow")
+    ax.set_ylabel("fraction of time in flow")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     ax.set_title(title)

@@ -2,8 +2,8 @@
 
 Files under ``report/tables/`` (comma-separated, a header line first)::
 
-    process_states.csv  name, kind, state, samples, seconds, fraction
-                        (time each process spent in each state, from the 100 ms samples)
+    process_states.csv  name, kind, state, seconds, fraction
+                        (time each process spent in each state, from its state changes)
     links.csv           link, sender, receiver, max_in_flight, sent, overflow
                         (the largest values any snapshot reported)
     summary.csv         metric, value (counts and rates of the run)
@@ -75,7 +75,7 @@ def write_run_tables(run: RunAnalysis, tables_dir: str) -> dict[str, str]:
                                                                for p in PERCENTILES]
     return {
         "process_states": write_csv(os.path.join(tables_dir, "process_states.csv"),
-                                    ("name", "kind", "state", "samples", "seconds", "fraction"), run.state_time),
+                                    ("name", "kind", "state", "seconds", "fraction"), run.state_time),
         "links": write_csv(os.path.join(tables_dir, "links.csv"),
                            ("link", "sender", "receiver", "max_in_flight", "sent", "overflow"), run.links),
         "summary": write_csv(os.path.join(tables_dir, "summary.csv"), ("metric", "value"), summary_rows(run)),
