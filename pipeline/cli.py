@@ -246,8 +246,12 @@ def build_parser() -> Parser:
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
-    ctl.add_argument("action", choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "kill", "stop"),
-                     help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone)")
+    ctl.add_argument("action", type=lambda s: s.replace("_", "-"),     # rabbitmqctl's set_vhost_limits works too
+                     choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "set-vhost-limits",
+                              "list-vhost-limits", "clear-vhost-limits", "kill", "stop"),
+                     help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone); "
+                          "set-vhost-limits JSON: '{\"max-connections\": 100, \"max-queues\": 50}' "
+                          "(negative: no limit)")
     ctl.add_argument("value", nargs="?")
     return parser
 
@@ -294,7 +298,7 @@ def check_tls(args) -> None:
 
 def cmd_ctl(args) -> int:
     from pipeline.ctlclient import BrokerNotRunning, CtlClient
-    if args.action in ("set-watermark", "set-disk-free-limit", "kill") and args.value is None:
+    if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill") and args.value is None:
         raise UsageError(f"creditflow ctl: {args.action} needs a value")
     try:
         with CtlClient(args.data_dir) as client:

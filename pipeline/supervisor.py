@@ -55,8 +55,9 @@ from pipeline.broker import lifecycle, names
 from pipeline.broker.ctl_server import CtlServer
 from pipeline.broker.args import QueueError
 from pipeline.amqp.errors import AmqpError
-from pipeline.broker.definitions import (DEFINITIONS_FILE, Definitions, QueueDef, arguments_from_json,
-                                         arguments_to_json, not_found_queue, queue_stopped, refused)
+from pipeline.broker.definitions import (DEFINITIONS_FILE, REPLY_TO_PREFIX, BadLimits, Definitions, QueueDef,
+                                         arguments_from_json, arguments_to_json, connection_limit_text,
+                                         not_found_queue, parse_limits, queue_stopped, refused)
 from pipeline.broker.process_states import StateClock, state_at
 from pipeline.host import Host, build_stage
 
@@ -81,7 +82,6 @@ FD_SHARE_FOR_CONNECTIONS = 0.8
 FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often, estimated in between
 SUPERVISOR = "creditflow_sup"
 HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
-REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 
@@ -609,9 +609,11 @@ class Supervisor:
         cfg = self.cfg
         readers = sum(1 for p in self.procs.values() if p.kind == "reader")
         refuse = None
-        if readers >= cfg.connection_max:
-            refuse = (f"NOT_ALLOWED - access to vhost '/' refused for user 'guest': connection limit "
-                      f"({cfg.connection_max}) is reached")
+        vhost_most = self.defs.limit("max-connections")
+        if vhost_most is not None and readers >= vhost_most:
+            refuse = connection_limit_text(vhost_most)
+        elif readers >= cfg.connection_max:
+            refuse = connection_limit_text(cfg.connection_max)
         alarms = [src for src, a in self.alarms.items() if a.get("state") == "set"]
         here = sock.getsockname()
         fd = sock.detach()
@@ -1040,6 +1042,21 @@ class Supervisor:
             self.ctl_waiting.append((client, key, req["value"]))
             self.tell(wd, {"type": cmd, "value": req["value"]})
             return None
+        if cmd == "set_vhost_limits":
+            try:
+                self.defs.limits = parse_limits(req.get("value") if req.get("value") is not None else "")
+            except BadLimits as exc:
+                return {"ok": False, "error": str(exc)}
+            self.save_definitions()
+            self.log("info", [f"Setting vhost limits to {json.dumps(self.defs.limits)} for vhost '/'"])
+            return {"ok": True, "limits": self.defs.limits}
+        if cmd == "clear_vhost_limits":
+            self.defs.limits = {}
+            self.save_definitions()
+            self.log("info", ["Clearing vhost '/' limits"])
+            return {"ok": True, "limits": {}}
+        if cmd == "list_vhost_limits":
+            return {"ok": True, "limits": self.defs.limits}
         if cmd == "stop":
             self.running = False
             return {"ok": True}

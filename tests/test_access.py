@@ -9,6 +9,7 @@ are the broker owner's alone.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import stat
@@ -155,3 +156,64 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
     for conn, _ in conns[len(conns) // 2:]:
         conn.close()
     assert "file descriptor limit alarm cleared" in broker.output()
+
+
+def ctl(broker, *args: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", "ctl", "--data-dir", str(broker.data_dir), *args],
+                          capture_output=True, text=True, timeout=30)
+
+
+def test_vhost_limits_refuse_connections_and_queues_with_rabbitmqs_replies(start_broker):
+    """rabbitmqctl set_vhost_limits, checked against RabbitMQ 3.10.8: the same codes and texts."""
+    broker = start_broker("--user", "alice:pw")
+    assert ctl(broker, "set_vhost_limits", '{"max-connections": 2, "max-queues": 2}').returncode == 0
+    params = pika.ConnectionParameters("127.0.0.1", broker.port)
+    first = pika.BlockingConnection(params)
+    second = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port,
+                                                               credentials=pika.PlainCredentials("alice", "pw")))
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError,
+                       match=r"530.*NOT_ALLOWED - access to vhost '/' refused for user 'guest': "
+                             r"connection limit \(2\) is reached"):
+        pika.BlockingConnection(params)
+    ch = first.channel()
+    ch.queue_declare("q0")
+    ch.queue_declare("q1")
+    with pytest.raises(pika.exceptions.ChannelClosedByBroker,
+                       match=r"406.*PRECONDITION_FAILED - cannot declare queue 'q2': queue limit in vhost '/' "
+                             r"\(2\) is reached"):
+        ch.queue_declare("q2")
+    ch = first.channel()
+    ch.queue_declare("q1")                          # one that exists may be declared again
+    ch.queue_declare("q0", passive=True)
+    ch.queue_delete("q1")
+    ch.queue_declare("q2")                          # room again
+    second.close()
+    broker.wait_for(lambda st: sum(p["alive"] for n, p in st["processes"].items() if n.startswith("reader")) == 1,
+                    what="the closed connection's reader gone")
+    with pika.BlockingConnection(params) as third:  # and a connection's place is free again
+        third.channel().queue_declare("q2", passive=True)
+    assert json.loads(ctl(broker, "list_vhost_limits").stdout)["limits"] == {"max-connections": 2, "max-queues": 2}
+    assert ctl(broker, "clear-vhost-limits").returncode == 0
+    with pika.BlockingConnection(params) as more:
+        more.channel().queue_declare("q3")
+    first.close()
+
+
+def test_vhost_limits_survive_a_restart_and_bad_limits_are_refused(start_broker):
+    broker = start_broker()
+    bad = ctl(broker, "set-vhost-limits", '{"max-bogus": 3}')
+    assert bad.returncode == 2 and "Unrecognised terms ['max-bogus'] in limits" in bad.stdout
+    assert ctl(broker, "set-vhost-limits", '{"max-connections": "ten"}').returncode == 2
+    assert ctl(broker, "set-vhost-limits").returncode == 2
+    assert ctl(broker, "set-vhost-limits", '{"max-connections": 0}').returncode == 0
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError, match=r"connection limit \(0\) is reached"):
+        pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    broker.stop()
+    again = start_broker(name="broker")             # the same data directory
+    with pytest.raises(pika.exceptions.ProbableAccessDeniedError, match=r"connection limit \(0\) is reached"):
+        pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", again.port))
+    assert ctl(again, "set-vhost-limits", '{"max-connections": -1}').returncode == 0
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", again.port)) as conn:
+        conn.channel().queue_declare("fine")

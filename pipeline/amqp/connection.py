@@ -309,7 +309,8 @@ class ServerConnection:
         if frame_max and frame_max < frames.FRAME_MIN_SIZE:
             raise ValueError(f"frame_max {frame_max} is below the protocol minimum {frames.FRAME_MIN_SIZE}")
         self.node_name = node_name
-        self.refuse_open = refuse_open      # reply text for a 530 in place of open-ok (a limit is reached)
+        self.refuse_open = refuse_open      # reply text for a 530 in place of open-ok (a limit is reached;
+                                            # ``{user}`` in it becomes the user who logged in)
         self.server_heartbeat_s = heartbeat_s
         self.server_frame_max = frame_max
         self.server_channel_max = channel_max
@@ -672,10 +673,11 @@ class ServerConnection:
 
     def _open(self, method) -> Opened:
         vhost = method.virtual_host
-        if self.refuse_open:
-            raise ConnectionLevelError(E.NOT_ALLOWED, self.refuse_open, *frames.CONNECTION_OPEN)
         if vhost != "/":
             raise ConnectionLevelError(E.NOT_ALLOWED, reply_text(E.NOT_ALLOWED, f"vhost {vhost} not found"),
+                                       *frames.CONNECTION_OPEN)
+        if self.refuse_open:
+            raise ConnectionLevelError(E.NOT_ALLOWED, self.refuse_open.format(user=self.user),
                                        *frames.CONNECTION_OPEN)
         self.vhost = vhost
         self._method(0, commands.Connection.OpenOk())

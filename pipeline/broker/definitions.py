@@ -1,4 +1,4 @@
-"""The broker's one vhost: its queues and its routing table, and the durable part on disk.
+"""The broker's one vhost: its queues, its routing table, its limits, and the durable part on disk.
 
 The supervisor owns one :class:`Definitions`. Queues are declared here with
 RabbitMQ's checks, in its order (``rabbit_channel``'s queue.declare): a
@@ -9,8 +9,14 @@ bindings are the :class:`~pipeline.broker.routing.RoutingTable`'s; every
 channel and every queue that dead-letters routes with a copy of it, kept
 current with ``routing.take_changes()``.
 
-Durable queues (with their arguments), durable exchanges and their bindings
-are kept in ``DATA_DIR/definitions.json`` (written to a temporary file,
+The vhost's limits are RabbitMQ's ``set_vhost_limits``: ``max-connections``
+(530 at ``connection.open`` once that many connections are open) and
+``max-queues`` (406 for the queue.declare that would make one more; a queue
+that exists may still be redeclared). A negative value is no limit, 0 allows
+none.
+
+Durable queues (with their arguments), durable exchanges and their bindings,
+and the vhost's limits are kept in ``DATA_DIR/definitions.json`` (written to a temporary file,
 fsynced, renamed) so a restart on the same data directory brings them back.
 Reading it never keeps the broker from starting: a file that does not parse
 is moved aside as ``definitions.json.bad-<time>`` and an entry that is not
@@ -30,6 +36,7 @@ from pipeline.broker.names import BadName, check
 from pipeline.broker.routing import RoutingTable, from_json_value, to_json_value
 
 DEFINITIONS_FILE = "definitions.json"
+REPLY_TO_PREFIX = "amq.rabbitmq.reply-to."      # a channel's direct reply-to queue: not counted as a queue
 QUEUE_DECLARE = (50, 10)
 
 
@@ -76,6 +83,37 @@ def refused(exc: Exception) -> Refused:
     return Refused(exc.reply_code, exc.reply_text, bool(getattr(exc, "hard", False)))
 
 
+VHOST_LIMITS = ("max-connections", "max-queues")
+
+
+class BadLimits(ValueError):
+    """Raised when vhost limits are not a JSON object of known limits with integer values."""
+
+
+def parse_limits(text_or_dict) -> dict[str, int]:
+    """``{"max-connections": 10, "max-queues": 5}`` (JSON text or a dict) checked as rabbitmqctl checks it."""
+    data = text_or_dict
+    if isinstance(text_or_dict, str):
+        try:
+            data = json.loads(text_or_dict)
+        except ValueError as exc:
+            raise BadLimits(f"limits are not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadLimits("limits must be a JSON object, e.g. '{\"max-connections\": 100}'")
+    unknown = sorted(k for k in data if k not in VHOST_LIMITS)
+    if unknown:
+        raise BadLimits(f"Unrecognised terms {unknown} in limits (known: {', '.join(VHOST_LIMITS)})")
+    for key, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise BadLimits(f"{key} must be an integer, got {value!r}")
+    return dict(data)
+
+
+def connection_limit_text(limit: int) -> str:
+    """The 530 text once ``max-connections`` is reached (``{user}``: who logged in)."""
+    return f"NOT_ALLOWED - access to vhost '/' refused for user '{{user}}': connection limit ({limit}) is reached"
+
+
 def arguments_from_json(data) -> dict:
     return {str(k): from_json_value(v) for k, v in (data or {}).items()}
 
@@ -88,6 +126,12 @@ class Definitions:
     def __init__(self) -> None:
         self.routing = RoutingTable(log_changes=True)
         self.queues: dict[str, QueueDef] = {}
+        self.limits: dict[str, int] = {}
+
+    def limit(self, name: str) -> int | None:
+        """The vhost's ``name`` limit, None when there is none (unset or negative)."""
+        value = self.limits.get(name)
+        return value if value is not None and value >= 0 else None
 
     # -- queues ----------------------------------------------------------------------------------
     def declare_queue(self, name: str, *, durable: bool, exclusive: bool, auto_delete: bool, arguments: dict,
@@ -116,6 +160,11 @@ class Definitions:
         except BadName as exc:
             raise ChannelLevelError(406, f"PRECONDITION_FAILED - {exc}", *QUEUE_DECLARE) from None
         args = parse_queue_args(name, arguments)
+        most = self.limit("max-queues")
+        if most is not None and not reserved and sum(not r.name.startswith(REPLY_TO_PREFIX)
+                                                     for r in self.queues.values()) >= most:
+            raise ChannelLevelError(406, f"PRECONDITION_FAILED - cannot declare queue '{name}': queue limit in "
+                                         f"vhost '/' ({most}) is reached", *QUEUE_DECLARE)
         q = QueueDef(name, durable, exclusive, auto_delete, dict(arguments), args, owner if exclusive else None)
         self.queues[name] = q
         self.routing.add_queue(name, durable=durable)
@@ -136,6 +185,8 @@ class Definitions:
                 props[name] = {"arguments": arguments_to_json(q.arguments), "auto_delete": q.auto_delete}
         if props:
             data["queue_props"] = props
+        if self.limits:
+            data["vhost_limits"] = dict(self.limits)
         return data
 
     def save(self, data_dir: str) -> None:
@@ -166,6 +217,10 @@ class Definitions:
             return [], [f"definitions file {path} could not be read ({exc}); moved to {aside}, starting "
                         "with no durable definitions"]
         problems: list[str] = []
+        try:
+            self.limits = parse_limits(defs.get("vhost_limits") or {})
+        except BadLimits as exc:
+            problems.append(f"skipped the vhost limits: {exc}")
         props = defs.get("queue_props") if isinstance(defs.get("queue_props"), dict) else {}
         queues = []
         for name in defs.get("queues") or [] if isinstance(defs.get("queues") or [], list) else []:
