@@ -691,21 +691,25 @@ class Supervisor:
             refused = queue_stopped(queue) if qdef is not None else not_found_queue(queue)
             self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code, "text": refused.text})
             return
+        # The queue's links back (to the channel, to its connection's reader) are made before the
+        # channel's link to the queue: the queue reads what the channel sends only once it has attached
+        # that link, and its control socket brings attaches in order, so by then it can answer. (Its
+        # attaches and the channel's queue_linked travel on different sockets: nothing orders them.)
         out = self.link_between(channel.name, qname)
         inp = self.link_between(qname, channel.name)
-        if out is None:
-            out = self.make_link(channel.name, qname, flow=not self.cfg.credit.disabled)
+        if inp is None:
             inp = self.make_link(qname, channel.name, flow=False)
-            if out is None or inp is None:      # the queue is ending: nothing can be linked to it now
-                refused = queue_stopped(queue)
-                self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code,
-                                    "text": refused.text})
-                return
         reader = self.procs.get(channel.owner)
         if reader is not None and self.link_between(qname, reader.name) is None:
             link = self.make_link(qname, reader.name, flow=False)
             if link is not None:
                 self.tell(reader, {"type": "queue_link", "link": link, "queue": queue})
+        if out is None and inp is not None:
+            out = self.make_link(channel.name, qname, flow=not self.cfg.credit.disabled)
+        if out is None or inp is None:      # the queue is ending: nothing can be linked to it now
+            refused = queue_stopped(queue)
+            self.tell(channel, {"type": "no_queue", "queue": queue, "code": refused.code, "text": refused.text})
+            return
         self.tell(channel, {"type": "queue_linked", "queue": queue, "out": out, "in": inp})
 
     # -- messages from stages -----------------------------------------------------------
