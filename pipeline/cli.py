@@ -103,7 +103,16 @@ def disk_limit_arg(text: str) -> str:
     return text
 
 
+BROKER_DESTS: set[str] = set()      # the dests add_broker_options makes (for run --uri's check)
+
+
 def add_broker_options(p: argparse.ArgumentParser) -> None:
+    before = {a.dest for a in p._actions}
+    _add_broker_options(p)
+    BROKER_DESTS.update(a.dest for a in p._actions if a.dest not in before)
+
+
+def _add_broker_options(p: argparse.ArgumentParser) -> None:
     a = p.add_argument_group("resource alarms")
     a.add_argument("--memory-watermark", type=watermark_arg, default="0.6",
                    help="vm_memory_high_watermark: fraction of RAM (0.6) or absolute (512MiB); 0 forces the alarm")
@@ -205,6 +214,9 @@ def build_parser() -> Parser:
     run.add_argument("-L", "--consumer-latency", type=nonneg_int, default=0, help="µs each consumer spends per message")
     run.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>)")
     run.add_argument("--port", type=nonneg_int, default=0, help="broker port (default: any free port)")
+    run.add_argument("--uri", default=None, metavar="amqp://USER:PASS@HOST:PORT/VHOST",
+                     help="drive this broker (a RabbitMQ, a creditflow serve) instead of starting one; "
+                          "the broker options below then do not apply")
     run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     add_broker_options(run)
 
@@ -415,6 +427,13 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def broker_options_given(args) -> list[str]:
+    """The broker options (and --port) given on the command line with a value other than the default."""
+    defaults = build_parser().parse_args(["run"])
+    return sorted(f"--{dest.replace('_', '-')}" for dest in BROKER_DESTS | {"port"}
+                  if getattr(args, dest) != getattr(defaults, dest))
+
+
 def cmd_run(args) -> int:
     from pipeline.loadgen.config import InvalidLoadConfig
     from pipeline.runner import load_config, run_harness
@@ -422,7 +441,12 @@ def cmd_run(args) -> int:
         load = load_config(args)
     except InvalidLoadConfig as exc:
         raise UsageError(f"creditflow run: {exc}") from None
-    if load.producers and load.body_bytes > args.max_message_bytes:
+    if args.uri:
+        given = broker_options_given(args)
+        if given:
+            raise UsageError(f"creditflow run: {', '.join(given)} only apply to a broker creditflow starts; "
+                             "with --uri the broker is the one the URI names")
+    elif load.producers and load.body_bytes > args.max_message_bytes:
         raise UsageError(f"creditflow run: messages of {load.body_bytes} bytes (-s) are over the broker's "
                          f"--max-message-bytes {args.max_message_bytes}, which would refuse every one (406); "
                          f"raise --max-message-bytes or lower -s")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -29,6 +30,7 @@ from pipeline.loadgen.config import LoadConfig
 from pipeline.supervisor import BrokerConfig, run_broker
 
 EXIT_LOST = 5
+EXIT_NO_BROKER = 6               # --uri names a broker that cannot be reached (the CLI's code for it too)
 PLACEHOLDER_PORT = 5672          # a LoadConfig is checked with it before the broker has a port
 STATE_ORDER = ("reader", "channel", "queue", "store")
 
@@ -181,12 +183,65 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
 
 
 def load_config(args) -> LoadConfig:
-    """``creditflow run``'s options as a LoadConfig (raises InvalidLoadConfig); the port comes later."""
+    """``creditflow run``'s options as a LoadConfig (raises InvalidLoadConfig). Without ``--uri`` the
+    port is the broker's, known only once it has started; with it, the URI says where to go."""
+    from pipeline.loadgen.uri import parse_amqp_uri
+    where = {"host": "127.0.0.1", "port": PLACEHOLDER_PORT}
+    if getattr(args, "uri", None):
+        address = parse_amqp_uri(args.uri)
+        where = {"host": address.host, "port": address.port, "user": address.user, "password": address.password,
+                 "vhost": address.vhost}
     return LoadConfig(producers=args.producers, consumers=args.consumers, rate=args.rate, size=args.size,
                       persistent="persistent" in args.flag, mandatory="mandatory" in args.flag,
                       confirm=args.confirm, prefetch=args.qos, autoack=args.autoack, duration_s=args.time,
-                      consumer_latency_us=args.consumer_latency, queue=args.queue, drain_s=args.drain_s,
-                      host="127.0.0.1", port=PLACEHOLDER_PORT)
+                      consumer_latency_us=args.consumer_latency, queue=args.queue, drain_s=args.drain_s, **where)
+
+
+class BrokerUnreachable(Exception):
+    """Raised when the broker a ``--uri`` names cannot be connected to (or refuses the login) at the start."""
+
+
+def shown_config(load: LoadConfig) -> dict:
+    """The load's options for config.json and summary.json: everything but the password."""
+    return {k: v for k, v in vars(load).items() if k != "password"}
+
+
+def execute_remote(load: LoadConfig, run_dir: str, *, on_second=None, on_drain=None, extra: dict | None = None):
+    """Run ``load`` against the broker it names (``--uri``): nothing is started but the load's own
+    processes. The run directory holds config.json, seconds.jsonl and summary.json, as with a broker
+    of our own, less what only that broker's telemetry can tell (process states, links, deaths).
+    Raises ``BrokerUnreachable`` before anything starts if a first connection cannot be made."""
+    from pipeline.loadgen.client import AmqpClient, ClientError
+    from pipeline.loadgen.harness import run_load
+    from pipeline.loadgen.uri import BrokerAddress
+    address = BrokerAddress(load.host, load.port, load.user, "", load.vhost).uri()
+    try:
+        AmqpClient(load.host, load.port, name="creditflow-perf probe", user=load.user, password=load.password,
+                   vhost=load.vhost).close()
+    except (ClientError, OSError) as exc:
+        raise BrokerUnreachable(f"cannot use {address}: {exc}") from None
+    os.makedirs(run_dir, exist_ok=True)
+    started = time.monotonic()
+    argv = [re.sub(r"^(amqps?://[^:@/]*):[^@/]*@", r"\1@", a) for a in sys.argv[1:]]     # no password kept
+    config = {"broker": {"uri": address}, "load": shown_config(load), "argv": argv, **(extra or {})}
+    with open(os.path.join(run_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, default=str)
+    seconds = SecondsLog(run_dir)
+
+    def each_second(rep):
+        seconds.write(rep, {})
+        return on_second(rep, {}, None) if on_second is not None else None
+
+    def each_drain_second(elapsed_s, delivered, expected, depths):
+        if on_drain is not None:
+            on_drain(drain_line(elapsed_s, delivered, expected, depths))
+
+    result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second)
+    seconds.close()
+    summary = summarize(result, {}, config, time.monotonic() - started)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2, default=str)
+    return summary, result
 
 
 def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=None, extra: dict | None = None):
@@ -211,7 +266,7 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
         load = make_load(info["port"])
         config = {"broker": {k: (str(v) if hasattr(v, "__dataclass_fields__") else v)
                              for k, v in vars(cfg).items()},
-                  "load": dict(vars(load)), "argv": sys.argv[1:], **(extra or {})}
+                  "load": shown_config(load), "argv": sys.argv[1:], **(extra or {})}
         with open(os.path.join(run_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2, default=str)
         tail = LogTail(os.path.join(run_dir, "broker.log"))
@@ -290,13 +345,21 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
 
     load = load if load is not None else load_config(args)
     run_dir = os.path.abspath(args.run_dir or default_run_dir())
-    cfg = broker_config(args, run_dir, args.port)
     view = View(plain=args.plain)
-    with view:
-        summary, _ = execute(cfg, load,
-                             on_second=lambda rep, status, ctl: view.second(format_line(rep), states_line(status),
-                                                                            status),
-                             on_drain=view.log, on_log=view.log)
+
+    def each_second(rep, status, ctl):
+        return view.second(format_line(rep), states_line(status) if status else None, status)
+    if getattr(args, "uri", None):
+        try:
+            with view:
+                summary, _ = execute_remote(load, run_dir, on_second=each_second, on_drain=view.log)
+        except BrokerUnreachable as exc:
+            print(f"creditflow run: {exc}", file=sys.stderr)
+            return EXIT_NO_BROKER
+    else:
+        cfg = broker_config(args, run_dir, args.port)
+        with view:
+            summary, _ = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
     print(f"run directory: {run_dir}")
     for line in outcome_lines(summary):
         print(line)

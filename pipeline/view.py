@@ -40,10 +40,12 @@ class View:
         else:
             print(line, file=self.stream, flush=True)
 
-    def second(self, line: str, states: str, status: dict) -> None:
+    def second(self, line: str, states: str | None, status: dict) -> None:
+        """PerfTest's line, then the broker's processes (``states``: None when the broker is not ours)."""
         if self.live is None:
-            print(line, file=self.stream)
-            print(states, file=self.stream, flush=True)
+            print(line, file=self.stream, flush=states is None)
+            if states is not None:
+                print(states, file=self.stream, flush=True)
             return
         from rich.table import Table
         from rich.text import Text

@@ -2,7 +2,7 @@
 
 Set-up is synchronous request/reply on a blocking socket with a timeout::
 
-    protocol header -> connection.start   <- start-ok (PLAIN guest/guest,
+    protocol header -> connection.start   <- start-ok (PLAIN user/password,
     capabilities connection.blocked, publisher_confirms, basic.nack,
     consumer_cancel_notify, authentication_failure_close)
     connection.tune <- tune-ok (frame_max, channel_max, heartbeat negotiated)
@@ -125,10 +125,11 @@ class ClientStatistics:
 
 
 class AmqpClient:
-    """One AMQP connection to ``host:port`` with channel 1 open, as user guest."""
+    """One AMQP connection to ``host:port`` (as ``user``, on ``vhost``) with channel 1 open."""
 
     def __init__(self, host: str, port: int, *, name: str = PRODUCT, frame_max: int = 131072,
-                 heartbeat_s: int = 60, timeout_s: float = SETUP_TIMEOUT_S, clock=time.monotonic_ns):
+                 heartbeat_s: int = 60, timeout_s: float = SETUP_TIMEOUT_S, clock=time.monotonic_ns,
+                 user: str = "guest", password: str = "guest", vhost: str = "/"):
         self.clock = clock
         self.name = name
         self.buffer = bytearray()
@@ -151,7 +152,7 @@ class AmqpClient:
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.heartbeat = HeartbeatClock(0, clock())
         try:
-            self._handshake(frame_max, heartbeat_s)
+            self._handshake(frame_max, heartbeat_s, user, password, vhost)
         except BaseException:
             self._sock.close()
             self._closed = True
@@ -190,7 +191,7 @@ class AmqpClient:
             self.handle_frame(ftype, ch, ps, pe)
             self.discard(pe + 1)
 
-    def _handshake(self, frame_max: int, heartbeat_s: int) -> None:
+    def _handshake(self, frame_max: int, heartbeat_s: int, user: str, password: str, vhost: str) -> None:
         self.send_all(frames.PROTOCOL_HEADER)
         start = self._call(0, None, "Connection.Start")
         mechanisms = start.mechanisms.split() if isinstance(start.mechanisms, str) else []
@@ -198,7 +199,7 @@ class AmqpClient:
             raise ClientError(f"the broker offers no PLAIN authentication ({start.mechanisms!r})")
         props = {"product": PRODUCT, "connection_name": self.name, "capabilities": CAPABILITIES}
         self.send_all(frames.encode_method(0, commands.Connection.StartOk(
-            client_properties=props, mechanism="PLAIN", response="\0guest\0guest", locale="en_US")))
+            client_properties=props, mechanism="PLAIN", response=f"\0{user}\0{password}", locale="en_US")))
         tune = self._call(0, None, "Connection.Tune")
         self.frame_max = negotiate(frame_max, tune.frame_max)
         self.heartbeat_s = negotiate(heartbeat_s, tune.heartbeat) if heartbeat_s else 0
@@ -206,7 +207,7 @@ class AmqpClient:
         self.send_all(frames.encode_method(0, commands.Connection.TuneOk(
             channel_max=channel_max, frame_max=self.frame_max, heartbeat=self.heartbeat_s)))
         self.heartbeat = HeartbeatClock(self.heartbeat_s, self.clock())
-        self._call(0, commands.Connection.Open(virtual_host="/"), "Connection.OpenOk")
+        self._call(0, commands.Connection.Open(virtual_host=vhost), "Connection.OpenOk")
         self._call(CHANNEL, commands.Channel.Open(), "Channel.OpenOk")
 
     def queue_declare(self, queue: str, durable: bool = True) -> int:

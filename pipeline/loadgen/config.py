@@ -81,6 +81,9 @@ class LoadConfig:
     durable: bool = True
     host: str = "127.0.0.1"
     port: int = 5672
+    user: str = "guest"
+    password: str = "guest"
+    vhost: str = "/"
     frame_max: int = 131072
     heartbeat_s: int = 60
     batch: int = 64                       # publish frame-sets per socket write when unthrottled
@@ -121,6 +124,9 @@ class LoadConfig:
         if not isinstance(self.host, str) or not self.host:
             raise InvalidLoadConfig(f"host must be a host name or address, got {self.host!r}")
         _int("port", self.port, 1, 65535)
+        for what in ("user", "password", "vhost"):
+            if not isinstance(getattr(self, what), str):
+                raise InvalidLoadConfig(f"{what} must be a string, got {getattr(self, what)!r}")
         _int("frame_max", self.frame_max, MIN_FRAME_MAX_BYTES, 2**32 - 1)
         _int("heartbeat_s", self.heartbeat_s, 0, MAX_HEARTBEAT_S)
         _int("batch", self.batch, 1, MAX_BATCH_MESSAGES)

@@ -278,7 +278,8 @@ class Consumer:
         self.queue = cfg.consumer_queue(index)
         self.clock = clock
         self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
-                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock)
+                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock,
+                                 user=cfg.user, password=cfg.password, vhost=cfg.vhost)
         self.client.queue_declare(self.queue, cfg.durable)
         if cfg.prefetch:
             self.client.basic_qos(cfg.prefetch)

@@ -210,7 +210,8 @@ class Publisher:
         self.name = f"publisher-{index}"
         self.clock = clock
         self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
-                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock)
+                                 frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock,
+                                 user=cfg.user, password=cfg.password, vhost=cfg.vhost)
         for q in cfg.queues:
             self.client.queue_declare(q, cfg.durable)
         if cfg.fanout:
