@@ -217,6 +217,9 @@ def build_parser() -> Parser:
     run.add_argument("--uri", default=None, metavar="amqp://USER:PASS@HOST:PORT/VHOST",
                      help="drive this broker (a RabbitMQ, a creditflow serve) instead of starting one; "
                           "the broker options below then do not apply")
+    run.add_argument("--management-uri", default=None, metavar="http://USER:PASS@HOST:15672",
+                     help="with --uri: sample RabbitMQ's management API each second (connection, channel and "
+                          "queue states, alarms) into the run's telemetry, for creditflow report")
     run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
     add_broker_options(run)
 
@@ -441,6 +444,15 @@ def cmd_run(args) -> int:
         load = load_config(args)
     except InvalidLoadConfig as exc:
         raise UsageError(f"creditflow run: {exc}") from None
+    if args.management_uri and not args.uri:
+        raise UsageError("creditflow run: --management-uri goes with --uri (a broker creditflow starts "
+                         "has its own telemetry)")
+    if args.management_uri:
+        from pipeline.loadgen.management import ManagementSampler
+        try:
+            ManagementSampler(args.management_uri)
+        except InvalidLoadConfig as exc:
+            raise UsageError(f"creditflow run: {exc}") from None
     if args.uri:
         given = broker_options_given(args)
         if given:

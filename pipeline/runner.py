@@ -201,18 +201,36 @@ class BrokerUnreachable(Exception):
     """Raised when the broker a ``--uri`` names cannot be connected to (or refuses the login) at the start."""
 
 
+def management_line(clock) -> str:
+    """``  RabbitMQ: connections 2 running, 1 flow; channels ...; queues ...`` from the sampled states."""
+    counts: dict[str, dict[str, int]] = {}
+    for name, p in clock.procs.items():
+        if not p.ended:
+            by_state = counts.setdefault(p.kind, {})
+            by_state[p.state] = by_state.get(p.state, 0) + 1
+    parts = [f"{label} " + ", ".join(f"{n} {state}" for state, n in sorted(counts[kind].items()))
+             for kind, label in (("reader", "connections"), ("channel", "channels"), ("queue", "queues"))
+             if kind in counts]
+    return "  RabbitMQ: " + "; ".join(parts) if parts else "  RabbitMQ: nothing open"
+
+
 def shown_config(load: LoadConfig) -> dict:
     """The load's options for config.json and summary.json: everything but the password."""
     return {k: v for k, v in vars(load).items() if k != "password"}
 
 
-def execute_remote(load: LoadConfig, run_dir: str, *, on_second=None, on_drain=None, extra: dict | None = None):
+def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None = None, on_second=None,
+                   on_drain=None, extra: dict | None = None):
     """Run ``load`` against the broker it names (``--uri``): nothing is started but the load's own
     processes. The run directory holds config.json, seconds.jsonl and summary.json, as with a broker
-    of our own, less what only that broker's telemetry can tell (process states, links, deaths).
-    Raises ``BrokerUnreachable`` before anything starts if a first connection cannot be made."""
+    of our own; with ``management_uri`` (a RabbitMQ's management API) its connections', channels' and
+    queues' states and its alarms are sampled each second into ``telemetry/`` too, for the report.
+    ``on_second(rep, states, None)`` gets those states counted by kind (a line), or None.
+    Raises ``BrokerUnreachable`` before anything starts if a first connection (or the management
+    API) cannot be used."""
     from pipeline.loadgen.client import AmqpClient, ClientError
     from pipeline.loadgen.harness import run_load
+    from pipeline.loadgen.management import ManagementSampler, ManagementUnreachable
     from pipeline.loadgen.uri import BrokerAddress
     address = BrokerAddress(load.host, load.port, load.user, "", load.vhost).uri()
     try:
@@ -220,24 +238,66 @@ def execute_remote(load: LoadConfig, run_dir: str, *, on_second=None, on_drain=N
                    vhost=load.vhost).close()
     except (ClientError, OSError) as exc:
         raise BrokerUnreachable(f"cannot use {address}: {exc}") from None
+    sampler = recorder = None
+    if management_uri:
+        sampler = ManagementSampler(management_uri)
+        try:
+            sampler.check()
+        except ManagementUnreachable as exc:
+            raise BrokerUnreachable(f"cannot use the management API: {exc}") from None
     os.makedirs(run_dir, exist_ok=True)
+    if sampler is not None:
+        from pipeline import telemetry
+        recorder = telemetry.Recorder(run_dir)
     started = time.monotonic()
-    argv = [re.sub(r"^(amqps?://[^:@/]*):[^@/]*@", r"\1@", a) for a in sys.argv[1:]]     # no password kept
+    argv = [re.sub(r"^((?:amqps?|https?)://[^:@/]*):[^@/]*@", r"\1@", a) for a in sys.argv[1:]]  # no passwords
     config = {"broker": {"uri": address}, "load": shown_config(load), "argv": argv, **(extra or {})}
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, default=str)
     seconds = SecondsLog(run_dir)
 
+    def sample(last: bool = False) -> str | None:
+        if sampler is None:
+            return None
+        try:
+            rows = sampler.sample(time.monotonic_ns())
+        except ManagementUnreachable as exc:
+            return f"  management API: {exc}"
+        if last:
+            finished = sampler.observer.finish(time.monotonic_ns())
+            rows.states += finished.states
+        for row in rows.states:
+            recorder.state(row["at_ns"], row["name"], row["kind"], row["state"])
+        for row in rows.stats:
+            recorder.stats(row)
+        for row in rows.events:
+            recorder.event(row["event"], row["name"], row["data"], at_ns=row["at_ns"])
+        recorder.flush_if_due()
+        return management_line(sampler.observer.clock)
+
     def each_second(rep):
         seconds.write(rep, {})
-        return on_second(rep, {}, None) if on_second is not None else None
+        line = sample()
+        return on_second(rep, line, None) if on_second is not None else None
 
-    def each_drain_second(elapsed_s, delivered, expected, depths):
+    def each_drain_second(elapsed_s, delivered, expected, _depths):
+        """The drain ends on what the consumers received, never on the management API's depths:
+        RabbitMQ's statistics lag (collect_statistics_interval, 5 s by default), so a queue they show
+        empty may not be. They are shown, as RabbitMQ last reported them."""
+        sample()
+        depths = sampler.depths() if sampler is not None else None
+        shown = None if depths is None else BrokerView({q: QueueDepth(messages=r, unacked=u)
+                                                        for q, (r, u) in depths.items() if q in load.queues})
         if on_drain is not None:
-            on_drain(drain_line(elapsed_s, delivered, expected, depths))
+            on_drain(drain_line(elapsed_s, delivered, expected, shown))
 
-    result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second)
-    seconds.close()
+    try:
+        result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second)
+        sample(last=True)
+    finally:
+        seconds.close()
+        if recorder is not None:
+            recorder.close({"management": sampler.base})
     summary = summarize(result, {}, config, time.monotonic() - started)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
@@ -348,11 +408,14 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
     view = View(plain=args.plain)
 
     def each_second(rep, status, ctl):
-        return view.second(format_line(rep), states_line(status) if status else None, status)
+        return view.second(format_line(rep), states_line(status), status)
     if getattr(args, "uri", None):
+        def each_remote_second(rep, line, _ctl):
+            return view.second(format_line(rep), line, {})
         try:
             with view:
-                summary, _ = execute_remote(load, run_dir, on_second=each_second, on_drain=view.log)
+                summary, _ = execute_remote(load, run_dir, management_uri=args.management_uri,
+                                            on_second=each_remote_second, on_drain=view.log)
         except BrokerUnreachable as exc:
             print(f"creditflow run: {exc}", file=sys.stderr)
             return EXIT_NO_BROKER

@@ -71,3 +71,58 @@ def test_a_broker_that_refuses_the_login_or_broker_options_stop_the_run_before_i
     assert code == 2 and out.strip() == ("creditflow run: --credit, --queue-delay-us only apply to a broker "
                                          "creditflow starts; with --uri the broker is the one the URI names"), out
     assert not (tmp_path / "opts").exists()
+
+
+RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
+
+
+@pytest.fixture
+def rabbitmq_with_management():
+    """A private RabbitMQ node with its management API (scripts/bench_vs_rabbitmq's), where one is installed."""
+    import importlib.machinery
+    import os
+
+    from amqp_targets import free_port
+    from conftest import ROOT
+    if not os.path.exists(RABBITMQ_SERVER):
+        pytest.skip("RabbitMQ is not installed here (Debian's rabbitmq-server)")
+    loader = importlib.machinery.SourceFileLoader("bench_vs_rabbitmq", str(ROOT / "scripts" / "bench_vs_rabbitmq"))
+    node = loader.load_module().RabbitMQ(free_port(), management_port=free_port())
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_run_against_rabbitmq_samples_its_management_api_into_telemetry(rabbitmq_with_management, tmp_path):
+    import time
+    import urllib.request
+    node = rabbitmq_with_management
+    api = f"http://guest:guest@127.0.0.1:{node.management_port}"
+    deadline = time.monotonic() + 60
+    while True:                                      # the management listener comes up after AMQP's
+        try:
+            request = urllib.request.Request(f"http://127.0.0.1:{node.management_port}/api/overview",
+                                             headers={"Authorization": "Basic Z3Vlc3Q6Z3Vlc3Q="})
+            urllib.request.urlopen(request, timeout=1).read()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "RabbitMQ's management API did not come up"
+            time.sleep(0.5)
+    run_dir = tmp_path / "run"
+    code, out, s = run_creditflow(run_dir, "--uri", f"amqp://guest:guest@127.0.0.1:{node.port}/",
+                                  "--management-uri", api, "-x", "1", "-y", "1", "-r", "2000", "-z", "4")
+    assert code == 0, out
+    assert s["delivered"] == s["published"] > 0 and s["lost"] == 0, out
+    assert any(line.startswith("  RabbitMQ: connections") for line in out.splitlines()), out
+    import pyarrow.parquet as pq
+    states = pq.read_table(run_dir / "telemetry" / "states.parquet").to_pylist()
+    kinds = {r["kind"] for r in states}
+    assert {"reader", "channel", "queue"} <= kinds, states
+    assert any(r["kind"] == "queue" and r["name"] == "creditflow-perf" for r in states)
+    stats = pq.read_table(run_dir / "telemetry" / "stats.parquet").to_pylist()
+    assert any(r["kind"] == "watchdog" and r["memory_limit"] for r in stats)
+    assert "guest:guest" not in (run_dir / "config.json").read_text()

@@ -115,7 +115,8 @@ def _analyse(run: RunFrames) -> RunAnalysis:
     per_state = (samples.withColumn("duration_ns", F.col("next_ns") - F.col("at_ns"))
                  .groupBy("name", "state")
                  .agg(F.first("kind", ignorenulls=True).alias("kind"), F.sum("duration_ns").alias("duration_ns"))
-                 .withColumn("fraction", F.col("duration_ns") / F.sum("duration_ns").over(Window.partitionBy("name")))
+                 .withColumn("total_ns", F.sum("duration_ns").over(Window.partitionBy("name")))
+                 .withColumn("fraction", F.when(F.col("total_ns") > 0, F.col("duration_ns") / F.col("total_ns")))
                  .orderBy("name", "state").collect())
     result.state_time = [{"name": r["name"], "kind": r["kind"] or "", "state": r["state"] or "unknown",
                           "seconds": round(r["duration_ns"] / NS_PER_S, 3),

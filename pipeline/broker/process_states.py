@@ -44,8 +44,9 @@ class _Process:
 
 
 def state_at(stats: dict, now_ns: int) -> str:
-    """A process's state now, from its last statistics push."""
-    if stats.get("kind") == "reader" and stats.get("conn_state"):
+    """A process's state now, from its last statistics push (``conn_state``: the state it shows itself,
+    as a reader shows its connection's, or as RabbitMQ's management API shows any of its processes)."""
+    if stats.get("conn_state"):
         return stats["conn_state"]
     if stats.get("blocked"):
         return "flow"
@@ -57,7 +58,7 @@ def state_at(stats: dict, now_ns: int) -> str:
 
 def _flow_deadline(stats: dict, now_ns: int) -> int | None:
     """When the state will change by time alone (a held `flow` running out), if it will."""
-    if stats.get("kind") == "reader" and stats.get("conn_state") or stats.get("blocked"):
+    if stats.get("conn_state") or stats.get("blocked"):
         return None
     started = stats.get("block_started_ns")
     if started is not None and now_ns - started < FLOW_HOLD_NS:
