@@ -214,6 +214,11 @@ def management_line(clock) -> str:
     return "  RabbitMQ: " + "; ".join(parts) if parts else "  RabbitMQ: nothing open"
 
 
+def redact(arg: str) -> str:
+    """``arg`` with the password of any URI in it left out (``--uri=amqp://u:p@h/`` -> ``--uri=amqp://u@h/``)."""
+    return re.sub(r"((?:amqps?|https?)://[^:@/\s]*):[^/\s]*@", r"\1@", arg)
+
+
 def shown_config(load: LoadConfig) -> dict:
     """The load's options for config.json and summary.json: everything but the password."""
     return {k: v for k, v in vars(load).items() if k != "password"}
@@ -228,15 +233,16 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
     ``on_second(rep, states, None)`` gets those states counted by kind (a line), or None.
     Raises ``BrokerUnreachable`` before anything starts if a first connection (or the management
     API) cannot be used."""
+    from pipeline.amqp.errors import AmqpError
     from pipeline.loadgen.client import AmqpClient, ClientError
     from pipeline.loadgen.harness import run_load
-    from pipeline.loadgen.management import ManagementSampler, ManagementUnreachable
+    from pipeline.loadgen.management import ManagementSampler, ManagementUnreachable, Rows
     from pipeline.loadgen.uri import BrokerAddress
     address = BrokerAddress(load.host, load.port, load.user, "", load.vhost).uri()
     try:
         AmqpClient(load.host, load.port, name="creditflow-perf probe", user=load.user, password=load.password,
                    vhost=load.vhost).close()
-    except (ClientError, OSError) as exc:
+    except (ClientError, AmqpError, OSError) as exc:      # AmqpError: what answered does not speak AMQP 0-9-1
         raise BrokerUnreachable(f"cannot use {address}: {exc}") from None
     sampler = recorder = None
     if management_uri:
@@ -250,7 +256,7 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
         from pipeline import telemetry
         recorder = telemetry.Recorder(run_dir)
     started = time.monotonic()
-    argv = [re.sub(r"^((?:amqps?|https?)://[^:@/]*):[^@/]*@", r"\1@", a) for a in sys.argv[1:]]  # no passwords
+    argv = [redact(a) for a in sys.argv[1:]]
     config = {"broker": {"uri": address}, "load": shown_config(load), "argv": argv, **(extra or {})}
     with open(os.path.join(run_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, default=str)
@@ -259,13 +265,13 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
     def sample(last: bool = False) -> str | None:
         if sampler is None:
             return None
+        line = None
         try:
             rows = sampler.sample(time.monotonic_ns())
         except ManagementUnreachable as exc:
-            return f"  management API: {exc}"
-        if last:
-            finished = sampler.observer.finish(time.monotonic_ns())
-            rows.states += finished.states
+            rows, line = Rows(), f"  management API: {exc}"
+        if last:                           # every span still open ends, whether or not that fetch worked
+            rows.states += sampler.observer.finish(time.monotonic_ns()).states
         for row in rows.states:
             recorder.state(row["at_ns"], row["name"], row["kind"], row["state"])
         for row in rows.stats:
@@ -273,7 +279,7 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
         for row in rows.events:
             recorder.event(row["event"], row["name"], row["data"], at_ns=row["at_ns"])
         recorder.flush_if_due()
-        return management_line(sampler.observer.clock)
+        return line or management_line(sampler.observer.clock)
 
     def each_second(rep):
         seconds.write(rep, {})

@@ -751,7 +751,10 @@ class Supervisor:
         kind = msg.get("type")
         if kind == "stats":
             self.stats[proc.name] = msg
-            self.record_state(self.clock.observe(proc.name, msg, time.monotonic_ns()))
+            now = time.monotonic_ns()
+            for change in self.clock.tick(now):          # what time alone changed comes first
+                self.record_state(change)
+            self.record_state(self.clock.observe(proc.name, msg, now))
             if self.cfg.telemetry:
                 self.telemetry.stats(msg)
             if proc.kind == "watchdog":
@@ -1347,12 +1350,14 @@ class Supervisor:
                     timeout = min(timeout, TOKEN_RETRY_S)
                 if self.accept_paused_until:
                     timeout = min(timeout, max(0.0, self.accept_paused_until - time.monotonic()))
+                if self.fd_alarm:
+                    timeout = min(timeout, FD_RECHECK_S)
                 for key, events in self.selector.select(timeout):
                     self.dispatch(key.data, events)
                 self.flush_waiting_tokens()
                 self.send_held_replies()
                 self.resume_accepting()
-                if time.monotonic() >= next_tick or self.clock.deadlines:
+                if time.monotonic() >= next_tick or self.clock.deadlines or self.fd_alarm:
                     next_tick = time.monotonic() + self.tick()
         except BaseException as exc:
             self.log("error", [f"supervisor failed: {exc!r}", *traceback.format_exc().rstrip().splitlines()])

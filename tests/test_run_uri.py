@@ -42,9 +42,9 @@ def test_the_uri_printed_leaves_the_password_out():
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_a_run_drives_a_broker_it_did_not_start(start_broker, tmp_path):
-    broker = start_broker("--user", "alice:pw")
+    broker = start_broker("--user", "alice:Kx7-secret")
     run_dir = tmp_path / "run"
-    code, out, s = run_creditflow(run_dir, "--uri", f"amqp://alice:pw@127.0.0.1:{broker.port}/%2f",
+    code, out, s = run_creditflow(run_dir, f"--uri=amqp://alice:Kx7-secret@127.0.0.1:{broker.port}/%2f",
                                   "-x", "2", "-y", "1", "-r", "300", "-z", "3", "-c", "50")
     assert code == 0, out
     assert s["published"] >= 1200 and s["delivered"] == s["published"] == s["confirmed"], out
@@ -53,7 +53,7 @@ def test_a_run_drives_a_broker_it_did_not_start(start_broker, tmp_path):
     assert not any(line.startswith("  reader") for line in out.splitlines())     # no process states to show
     config = json.loads((run_dir / "config.json").read_text())
     assert config["broker"] == {"uri": f"amqp://alice@127.0.0.1:{broker.port}/%2f"}
-    assert "pw" not in (run_dir / "config.json").read_text() + (run_dir / "summary.json").read_text()
+    assert "Kx7-secret" not in (run_dir / "config.json").read_text() + (run_dir / "summary.json").read_text()
     assert not (run_dir / "telemetry").exists() and not (run_dir / "msg_store").exists()
     queues = broker.status()["queues"]
     assert "creditflow-perf" in queues              # declared on the broker the URI named
@@ -87,7 +87,7 @@ def rabbitmq_with_management():
     if not os.path.exists(RABBITMQ_SERVER):
         pytest.skip("RabbitMQ is not installed here (Debian's rabbitmq-server)")
     loader = importlib.machinery.SourceFileLoader("bench_vs_rabbitmq", str(ROOT / "scripts" / "bench_vs_rabbitmq"))
-    node = loader.load_module().RabbitMQ(free_port(), management_port=free_port())
+    node = loader.load_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
     try:
         yield node
     finally:
@@ -114,7 +114,7 @@ def test_a_run_against_rabbitmq_samples_its_management_api_into_telemetry(rabbit
             time.sleep(0.5)
     run_dir = tmp_path / "run"
     code, out, s = run_creditflow(run_dir, "--uri", f"amqp://guest:guest@127.0.0.1:{node.port}/",
-                                  "--management-uri", api, "-x", "1", "-y", "1", "-r", "2000", "-z", "4")
+                                  "--management-uri", api, "-x", "1", "-y", "1", "-r", "2000", "-z", "9")
     assert code == 0, out
     assert s["delivered"] == s["published"] > 0 and s["lost"] == 0, out
     assert any(line.startswith("  RabbitMQ: connections") for line in out.splitlines()), out

@@ -161,8 +161,8 @@ class Definitions:
             raise ChannelLevelError(406, f"PRECONDITION_FAILED - {exc}", *QUEUE_DECLARE) from None
         args = parse_queue_args(name, arguments)
         most = self.limit("max-queues")
-        if most is not None and not reserved and sum(not r.name.startswith(REPLY_TO_PREFIX)
-                                                     for r in self.queues.values()) >= most:
+        if most is not None and not name.startswith(REPLY_TO_PREFIX) and sum(
+                not r.name.startswith(REPLY_TO_PREFIX) for r in self.queues.values()) >= most:
             raise ChannelLevelError(406, f"PRECONDITION_FAILED - cannot declare queue '{name}': queue limit in "
                                          f"vhost '/' ({most}) is reached", *QUEUE_DECLARE)
         q = QueueDef(name, durable, exclusive, auto_delete, dict(arguments), args, owner if exclusive else None)

@@ -72,24 +72,24 @@ class StateClock:
     def __init__(self) -> None:
         self.procs: dict[str, _Process] = {}
         self.stats: dict[str, dict] = {}
-        self.deadlines: list[tuple[int, str]] = []      # (ns, name): a held `flow` may run out then
+        self.deadlines: list[tuple[int, str, int]] = []  # (ns, name, block start): a held `flow` may end
 
     def observe(self, name: str, stats: dict, now_ns: int) -> Change | None:
         """A statistics push from ``name``; the change it makes, if any."""
         self.stats[name] = stats
         deadline = _flow_deadline(stats, now_ns)
         if deadline is not None:
-            heapq.heappush(self.deadlines, (deadline, name))
+            heapq.heappush(self.deadlines, (deadline, name, stats["block_started_ns"]))
         return self._enter(name, stats.get("kind"), state_at(stats, now_ns), now_ns)
 
     def tick(self, now_ns: int) -> list[Change]:
         """The changes time alone made by ``now_ns``: each held `flow` that ran out."""
         changes = []
         while self.deadlines and self.deadlines[0][0] <= now_ns:
-            at_ns, name = heapq.heappop(self.deadlines)
+            at_ns, name, started = heapq.heappop(self.deadlines)
             stats = self.stats.get(name)
-            if stats is None:
-                continue
+            if stats is None or stats.get("block_started_ns") != started:
+                continue                     # gone, or a later push (and its own deadline) says more
             change = self._enter(name, stats.get("kind"), state_at(stats, at_ns), at_ns)
             if change is not None:
                 changes.append(change)

@@ -26,7 +26,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pipeline.broker.process_states import StateClock
 from pipeline.loadgen.config import InvalidLoadConfig
@@ -68,7 +68,8 @@ class Observer:
         present = set()
         named = [(c.get("name"), "reader", c.get("state")) for c in connections]
         named += [(c.get("name"), "channel", c.get("state")) for c in channels]
-        named += [(f"{q.get('name')}", "queue", q.get("state")) for q in queues]
+        named += [(q.get("name") if q.get("vhost", "/") == "/" else f"{q.get('vhost')}/{q.get('name')}", "queue",
+                   q.get("state")) for q in queues]
         for name, kind, state in named:
             if not name or not state:
                 continue
@@ -139,12 +140,16 @@ class ManagementSampler:
 
     def __init__(self, uri: str):
         parts = urlsplit(uri)
+        try:
+            port = f":{parts.port}" if parts.port else ""
+        except ValueError as exc:
+            raise InvalidLoadConfig(f"--management-uri {uri!r}: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidLoadConfig(f"--management-uri {uri!r} is not http(s)://user:pass@host:port")
-        port = f":{parts.port}" if parts.port else ""
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         self.base = f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
-        user, password = parts.username or "guest", parts.password or "guest"
+        user = unquote(parts.username) if parts.username is not None else "guest"
+        password = unquote(parts.password) if parts.password is not None else "guest"
         self.auth = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
         self.observer = Observer()
         self.queues: list | None = None           # the last /api/queues answer (for the drain's depths)
