@@ -756,7 +756,7 @@ class Supervisor:
                 self.record_state(change)
             self.record_state(self.clock.observe(proc.name, msg, now))
             if self.cfg.telemetry:
-                self.telemetry.stats(msg)
+                self.telemetry.stats(msg, stages=len(self.procs))
             if proc.kind == "watchdog":
                 self.check_paging(msg)
         elif kind == "log":
@@ -1190,6 +1190,7 @@ class Supervisor:
         """Take what it said last (a log line, final statistics), then close its endpoints here."""
         self.on_proc_msg(proc, limit=100_000)
         self.record_state(self.clock.end(proc.name, time.monotonic_ns()))
+        self.telemetry.stage_ended(proc.name)
         if self.procs.get(proc.name) is proc:
             del self.procs[proc.name]
         try:

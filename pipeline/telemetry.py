@@ -4,9 +4,13 @@ While the broker runs, files under ``DATA_DIR/telemetry/`` are JSON lines,
 one object per line (timestamps are int64 nanoseconds of the system-wide
 monotonic clock):
 
-* ``stats.jsonl``  every ``statistics()`` snapshot a stage pushed (at most
-  every 100 ms per busy stage, at once on block/unblock);
-* ``states.jsonl`` the supervisor's 100 ms sampling of each process's state;
+* ``stats.jsonl``  the ``statistics()`` snapshots stages pushed: every one (at
+  most every 100 ms per busy stage, at once on block/unblock) while the broker
+  runs up to ``STATS_ROWS_PER_S`` / 10 stages; with more, each stage's at most
+  every ``stages / STATS_ROWS_PER_S`` seconds, and its last one when it ends,
+  so a thousand busy connections do not write gigabytes (process states are
+  kept apart, in ``states``, at every change);
+* ``states.jsonl`` each process's state, a row per change (and one at its end);
 * ``events.jsonl`` state changes: spawn, connection, alarm set/clear,
   stage deaths, fsyncs;
 * ``final.json``   the supervisor's last status.
@@ -30,6 +34,7 @@ import os
 import time
 
 FLUSH_INTERVAL_S = 1.0
+STATS_ROWS_PER_S = 500          # snapshots written per second, at most, once stages are many
 
 
 class Recorder:
@@ -41,14 +46,33 @@ class Recorder:
         self.logfile = open(os.path.join(data_dir, "broker.log"), "a", encoding="utf-8")
         self.buffers: dict[str, list[str]] = {name: [] for name in self.files}
         self.last_flush = time.monotonic()
+        self.written_ns: dict[str, int] = {}       # stage -> when its last snapshot was written
+        self.held: dict[str, dict] = {}            # stage -> its newest snapshot not written yet
 
     def _put(self, name: str, obj: dict) -> None:
         self.buffers[name].append(json.dumps(obj, separators=(",", ":"), default=str))
 
-    def stats(self, msg: dict) -> None:
-        self._put("stats", {k: v for k, v in msg.items() if k != "type"})
+    def stats(self, msg: dict, stages: int = 1, now_ns: int | None = None) -> None:
+        """A stage's snapshot, written unless that stage's last one is more recent than the budget allows
+        with ``stages`` stages running (then kept, and written by ``stage_ended`` or the next one due)."""
         for at_ns, duration_ns in msg.get("fsync_events", ()):
             self.event("fsync", msg.get("name", "store"), {"duration_ns": duration_ns}, at_ns=at_ns)
+        name = msg.get("name", "")
+        now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        gap_ns = stages * 1_000_000_000 // STATS_ROWS_PER_S
+        if now_ns - self.written_ns.get(name, -gap_ns) < gap_ns:
+            self.held[name] = msg
+            return
+        self.held.pop(name, None)
+        self.written_ns[name] = now_ns
+        self._put("stats", {k: v for k, v in msg.items() if k not in ("type", "fsync_events")})
+
+    def stage_ended(self, name: str) -> None:
+        """``name`` is gone: its last snapshot is written if it was held, and it is forgotten."""
+        msg = self.held.pop(name, None)
+        if msg is not None:
+            self._put("stats", {k: v for k, v in msg.items() if k not in ("type", "fsync_events")})
+        self.written_ns.pop(name, None)
 
     def state(self, now_ns: int, name: str, kind: str | None, state: str) -> None:
         self._put("states", {"at_ns": now_ns, "name": name, "kind": kind, "state": state})
@@ -77,6 +101,8 @@ class Recorder:
         self.last_flush = time.monotonic()
 
     def close(self, final_status: dict) -> None:
+        for name in list(self.held):
+            self.stage_ended(name)
         self.flush()
         with open(os.path.join(self.dir, "final.json"), "w", encoding="utf-8") as f:
             json.dump(final_status, f, default=str)

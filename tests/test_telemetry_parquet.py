@@ -351,3 +351,21 @@ def test_a_broker_leaves_parquet_telemetry_when_it_stops(broker):
     assert "spawn" in pq.read_table(tele / "events.parquet").column("event").to_pylist()
     assert "telemetry compacted to Parquet" in (broker.data_dir / "broker.log").read_text()
 
+
+
+def test_with_many_stages_each_stages_snapshots_are_thinned_and_its_last_one_kept(tmp_path):
+    """A thousand busy stages must not write gigabytes: past STATS_ROWS_PER_S / 10 stages each stage's
+    snapshot is written at most every stages / STATS_ROWS_PER_S s, and its newest one when it ends."""
+    from pipeline.telemetry import STATS_ROWS_PER_S, Recorder
+    rec = Recorder(str(tmp_path))
+    ms = 1_000_000
+    for t in range(0, 2000, 100):                        # 2 s of a push every 100 ms
+        rec.stats({"type": "stats", "name": "few", "n": t}, stages=3, now_ns=t * ms)
+        rec.stats({"type": "stats", "name": "many", "n": t}, stages=STATS_ROWS_PER_S, now_ns=t * ms)
+    rec.stage_ended("many")
+    rec.flush()
+    rows = [json.loads(line) for line in (tmp_path / "telemetry" / "stats.jsonl").read_text().splitlines()]
+    assert [r["n"] for r in rows if r["name"] == "few"] == list(range(0, 2000, 100))
+    assert [r["n"] for r in rows if r["name"] == "many"] == [0, 1000, 1900]     # one a second, then its last
+    assert all("type" not in r for r in rows)
+    rec.close({})
