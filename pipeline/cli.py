@@ -58,6 +58,17 @@ def nonneg_seconds(text: str) -> float:
     return value
 
 
+def rate_arg(text: str) -> float:
+    """A positive, finite number of messages a second; fractions are rates too (-r 0.5: one every 2 s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected msg/s, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of msg/s, got {text}")
+    return value
+
+
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
 MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024       # RabbitMQ refuses a larger setting
 
@@ -200,7 +211,8 @@ def build_parser() -> Parser:
     run = sub.add_parser("run", help="broker + PerfTest-style load, per-second lines, summary.json")
     run.add_argument("-x", "--producers", type=nonneg_int, default=1)
     run.add_argument("-y", "--consumers", type=nonneg_int, default=1)
-    run.add_argument("-r", "--rate", type=pos_int, default=None, help="msg/s per producer (default unlimited)")
+    run.add_argument("-r", "--rate", type=rate_arg, default=None,
+                     help="msg/s per producer, fractions too (0.5: one every 2 s; default unlimited)")
     run.add_argument("-s", "--size", type=nonneg_int, default=12, help="message body bytes")
     run.add_argument("-f", "--flag", action="append", default=[], choices=("persistent", "mandatory"),
                      help="message flags: persistent, mandatory")

@@ -153,6 +153,13 @@ def test_without_consumers_nothing_is_expected_and_nothing_lost(tmp_path):
     assert "creditflow-perf" in s["drain"]["queues"]          # the depths are recorded all the same
 
 
+def test_a_fractional_rate_sends_on_its_schedule(tmp_path):
+    code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-r", "2.5", "-s", "100", "-z", "4")
+    assert code == 0, out
+    assert s["published"] == 10 and s["delivered"] == 10, out      # one every 0.4 s for 4 s
+    assert s["config"]["load"]["rate"] == 2.5
+
+
 def _rows(telemetry_dir, name: str) -> int:
     """Rows of one telemetry table, whichever form it was left in."""
     parquet, lines = telemetry_dir / f"{name}.parquet", telemetry_dir / f"{name}.jsonl"
