@@ -41,6 +41,18 @@ TRIM_INTERVAL_NS = 1_000_000_000
 DISK_NUDGE_BYTES = 1024 * 1024
 
 
+STATS_LINKS_KEPT = 100          # a snapshot too big for a control message keeps this many links
+
+
+def busiest_links(stats: dict, keep: int) -> dict:
+    """``stats`` with only the ``keep`` links that have the most in flight (then the most ever in
+    flight); ``links_omitted`` says how many were left out."""
+    links = stats.get("links") or {}
+    kept = sorted(links.items(), key=lambda kv: (-kv[1].get("in_flight", 0), -kv[1].get("max_in_flight", 0),
+                                                 kv[0]))[:keep]
+    return {**stats, "links": dict(kept), "links_omitted": len(links) - len(kept)}
+
+
 def _load_malloc_trim():
     try:
         return ctypes.CDLL("libc.so.6").malloc_trim
@@ -472,8 +484,12 @@ class Stage:
         return link.peer if link is not None else str(link_id)
 
     def push_stats(self, now_ns: int) -> None:
+        stats = self.statistics(now_ns)
         try:
-            control.send_msg(self.ctl, self.statistics(now_ns))
+            try:
+                control.send_msg(self.ctl, stats)
+            except control.MessageTooLarge:      # links to hundreds of queues: keep the busiest
+                control.send_msg(self.ctl, busiest_links(stats, STATS_LINKS_KEPT))
         except (OSError, PeerGone):
             self.running = False
         self.last_stats_ns = now_ns

@@ -865,13 +865,21 @@ class Supervisor:
                                          "the original declaration.", *method)
 
     def broadcast_routing(self) -> bool:
-        """Send the routing table's changes to every channel and queue; True if there were any."""
+        """Send the routing table's changes to every channel and to every queue that dead-letters (the
+        only queues that route, and so the only ones started with a copy); True if there were any."""
         changes = self.defs.routing.take_changes()
         if not changes:
             return False
         for p in self.procs.values():
-            if p.kind in ("channel", "queue") and p.state == "running":
-                self.tell(p, {"type": "routing", "changes": changes})
+            if p.state != "running":
+                continue
+            if p.kind == "queue":
+                qdef = self.defs.queues.get(p.name[len("queue-"):])
+                if qdef is None or qdef.args.dead_letter_exchange is None:
+                    continue
+            elif p.kind != "channel":
+                continue
+            self.tell(p, {"type": "routing", "changes": changes})
         return True
 
     # -- deleting queues ---------------------------------------------------------------------------
