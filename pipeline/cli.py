@@ -160,7 +160,7 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                         "many (default: one per core); 0: a process of its own for every connection, "
                         "channel and queue")
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
-                   help="on (default): statistics snapshots every 100 ms and state samples in "
+                   help="on (default): statistics snapshots every 100 ms and state changes in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
     g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
