@@ -110,6 +110,7 @@ class Queue(Stage):
         self.nacks: dict[str, list[int]] = {}
         self.record_bytes = 256                              # recent delivery record size, for ring room
         self.peak_messages = 0
+        self.drain_trim_owed = False     # a backlog worth a trim was here: trim once it is gone
         self.paging = False
         self.pages = PageFile(page_path) if page_path else None
         self.paged_out = 0
@@ -612,14 +613,19 @@ class Queue(Stage):
         ``TRIM_AFTER_FALL_FRACTION`` since the last trim (``peak_messages`` is
         the backlog at the last trim, or its peak since), at most every
         ``TRIM_MIN_INTERVAL_NS``: memory follows the backlog down instead of
-        waiting for it to empty.
+        waiting for it to empty. A backlog that has just emptied trims at once.
         """
         st = self.core.statistics()
         backlog = st.messages_ready + st.messages_unacknowledged
         if backlog > self.peak_messages:
             self.peak_messages = backlog
+            self.drain_trim_owed |= backlog >= TRIM_MIN_PEAK_MESSAGES
             return
-        if (self.peak_messages >= TRIM_MIN_PEAK_MESSAGES
+        if backlog == 0 and self.drain_trim_owed:
+            self.trim(now_ns)
+            self.drain_trim_owed = False
+            self.peak_messages = 0
+        elif (self.peak_messages >= TRIM_MIN_PEAK_MESSAGES
                 and backlog <= self.peak_messages * (1 - TRIM_AFTER_FALL_FRACTION)
                 and now_ns - self.last_trim_ns >= TRIM_MIN_INTERVAL_NS):
             self.trim(now_ns)

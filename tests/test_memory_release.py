@@ -13,6 +13,7 @@ from __future__ import annotations
 import select
 import time
 
+import psutil
 import pytest
 
 from pipeline.amqp import frames
@@ -55,6 +56,18 @@ def memory_once_still(broker, seconds: float = 2.5, limit_s: float = 10.0) -> in
             return min(last, now)
         last = now
     return last
+
+
+def pss_by_process(broker) -> str:
+    """Each broker process's proportional set size in MiB, for a failure message."""
+    root = psutil.Process(broker.proc.pid)
+    parts = []
+    for proc in [root] + root.children(recursive=True):
+        try:
+            parts.append(f"{proc.pid}:{proc.memory_full_info().pss / MIB:.1f}")
+        except psutil.Error:
+            pass
+    return " ".join(parts)
 
 
 def held_by_queue(broker) -> int:
@@ -127,6 +140,7 @@ def test_memory_falls_as_the_backlog_drains(broker, size, count, half_slack, may
     pub.queue_declare(QUEUE, durable=False)
     con = AmqpClient("127.0.0.1", broker.port, heartbeat_s=0)   # its processes exist before the baseline
     base = settled_memory(broker)
+    base_pss = pss_by_process(broker)
     msg = frames.encode_publish(1, "", QUEUE, frames.properties_raw(), b"b" * size, pub.frame_max)
     batch = 500
     for i in range(0, count, batch):
@@ -149,7 +163,8 @@ def test_memory_falls_as_the_backlog_drains(broker, size, count, half_slack, may
     assert consumer.drain(broker, 0) == 0
     kept = memory_once_still(broker) - base
     assert kept < grown * may_keep, (f"{size} B bodies: memory grew {grown / MIB:.1f} MiB with the backlog and "
-                                     f"{kept / MIB:.1f} MiB are still held after it drained")
+                                     f"{kept / MIB:.1f} MiB are still held after it drained (PSS by pid: "
+                                     f"{pss_by_process(broker)}; at the baseline {base_pss})")
     print(f"{size} B x {count}: grew {grown / MIB:.1f} MiB; {left} left: {half / MIB:.1f} MiB; "
           f"drained: {kept / MIB:.1f} MiB")
     pub.close()
