@@ -65,7 +65,7 @@ CATALOGUE = (
              "twice: on a plain broker, then on one whose every fsync takes 300 ms longer (--fsync-delay-ms "
              "300), as on a slow disk. With no consumer to acknowledge them first, confirms wait for the fsync.",
              "median confirm latency at least 2x the plain broker's and above the fsync delay; the publishing "
-             "connection in flow; every publish confirmed and in the queue", own_broker=True),
+             "channel in flow; every publish confirmed and in the queue", own_broker=True),
     Scenario("alarm",
              "A publisher at 3,000 msg/s and a consumer at 500 µs a message, so a backlog builds. After 2 s the "
              "memory watermark is set to 0 (ctl set-watermark 0), which sets the memory alarm; 2 s later it "
@@ -117,7 +117,7 @@ def _n(value) -> str:
 
 
 def _pct(fraction: float) -> str:
-    return f"{100 * fraction:.0f}%"
+    return f"{100 * fraction:.1f}%" if 0 < fraction < 0.01 else f"{100 * fraction:.0f}%"
 
 
 def _lost(f: dict, problems: list) -> str:
@@ -167,8 +167,8 @@ def judge_slow_disk(f: dict, problems: list) -> tuple[str, str]:
             problems.append(f"confirm p50 rose only from {base} to {slow} µs")
         if slow < delay_us:
             problems.append(f"confirm p50 {slow} µs under the fsync delay of {delay_us} µs")
-    if not f["reader_flow"] > 0:
-        problems.append("the publishing connection was never in flow")
+    if not f["channel_flow"] > 0:
+        problems.append("the publishing channel was never in flow")
     if f["confirmed"] != f["published"]:
         problems.append(f"{f['published'] - f['confirmed']} of {f['published']} publishes not confirmed")
     if f["queued"] != f["published"]:
@@ -176,7 +176,8 @@ def judge_slow_disk(f: dict, problems: list) -> tuple[str, str]:
     ms = lambda us: "?" if us is None else f"{us / 1000:.1f} ms"       # noqa: E731
     measured = (f"confirm p50 {ms(slow)} with {f['fsync_delay_ms']} ms fsync delay vs {ms(base)} without, "
                 f"publish {f['slow_publish_rate']:,.0f} vs {f['base_publish_rate']:,.0f} msg/s, publishing "
-                f"connection in flow {_pct(f['reader_flow'])} of its time; {_n(f['confirmed'])} of "
+                f"channel in flow {_pct(f['channel_flow'])} of its time (its connection {_pct(f['reader_flow'])}); "
+                f"{_n(f['confirmed'])} of "
                 f"{_n(f['published'])} confirmed and {_n(f['queued'])} in the queue")
     return measured, f"confirm p50 {ms(base)} -> {ms(slow)}"
 
@@ -283,8 +284,8 @@ def judge_publisher_ignores_blocked(f: dict, problems: list) -> tuple[str, str]:
         problems.append(f"broker memory grew by {growth} bytes")
     mib = lambda b: f"{b / (1024 * 1024):.1f} MiB"         # noqa: E731
     measured = (f"in {f['seconds']:.0f} s the client wrote {mib(f['bytes_written'])}, {_n(f['bytes_last_second'])} B "
-                f"in the last second; reader {f['reader_state']}, {_n(f['queue_messages'])} messages reached the "
-                f"queue; broker memory {mib(f['memory_before'])} -> {mib(f['memory_after'])}")
+                f"in the last second; reader {f['reader_state']}, {_n(f['queue_messages'])} message(s) reached "
+                f"the queue; broker memory {mib(f['memory_before'])} -> {mib(f['memory_after'])}")
     return measured, f"{mib(f['bytes_written'])} written, then stalled" if not f["bytes_last_second"] else \
         f"{mib(f['bytes_written'])} written"
 

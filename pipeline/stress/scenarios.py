@@ -92,10 +92,11 @@ def connect(address, name: str, port: int | None = None) -> StressClient:
                         password=address.password, vhost=address.vhost)
 
 
-def max_flow(summary: dict, kind: str = "reader", publishing_only: bool = True) -> float:
-    """The largest share of its time any process of ``kind`` spent in flow (publishing readers only)."""
+def max_flow(summary: dict, kind: str = "reader") -> float:
+    """The largest share of its time a process of ``kind`` spent in flow (of readers, those that took
+    publishes: ``runner.summarize`` times their first stop only for them)."""
     shares = [p["flow_fraction"] for p in summary.get("processes", {}).values()
-              if p.get("kind") == kind and (not publishing_only or kind != "reader" or "first_stop_after_first_publish_s" in p)]
+              if p.get("kind") == kind and (kind != "reader" or "first_stop_after_first_publish_s" in p)]
     return max(shares, default=0.0)
 
 
@@ -207,7 +208,8 @@ def run_slow_disk(place: Place) -> dict:
     p50 = lambda s: (s.get("latency_us", {}).get("confirm") or {}).get("p50")     # noqa: E731
     held = ((slow["drain"].get("queues") or {}).get(q) or {}).get("messages")
     return {**counts(slow), "fsync_delay_ms": FSYNC_DELAY_MS, "base_confirm_p50_us": p50(base),
-            "slow_confirm_p50_us": p50(slow), "reader_flow": max_flow(slow), "base_reader_flow": max_flow(base),
+            "slow_confirm_p50_us": p50(slow), "reader_flow": max_flow(slow), "channel_flow": max_flow(slow, "channel"),
+            "base_reader_flow": max_flow(base),
             "base_publish_rate": base["publish_rate"], "slow_publish_rate": slow["publish_rate"],
             "queued": held}
 
