@@ -69,6 +69,45 @@ def rate_arg(text: str) -> float:
     return value
 
 
+def queue_args_arg(text: str) -> tuple:
+    """PerfTest's --queue-args: ``name=value,name=value``; integers and true/false become numbers and booleans."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise argparse.ArgumentTypeError(f"expected NAME=VALUE[,NAME=VALUE...], got {item!r}")
+        value = value.strip()
+        if value.lower() in ("true", "false"):
+            parsed = value.lower() == "true"
+        else:
+            try:
+                parsed = int(value)
+            except ValueError:
+                parsed = value
+        pairs.append((name.strip(), parsed))
+    return tuple(pairs)
+
+
+def step_arg(kind: str):
+    """PerfTest's VALUE:SECONDS steps (--variable-rate 100:10); ``kind`` is float or int."""
+    def parse(text: str) -> tuple:
+        value, sep, seconds = text.partition(":")
+        try:
+            step = (kind(value), float(seconds))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected VALUE:SECONDS, got {text!r}") from None
+        if not sep or step[0] < 0 or not 0 < step[1] < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected VALUE:SECONDS with SECONDS above 0, got {text!r}")
+        return step
+    return parse
+
+
+def bool_arg(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 DEFAULT_MAX_MESSAGE_BYTES = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
 MAX_MESSAGE_BYTES_LIMIT = 512 * 1024 * 1024       # RabbitMQ refuses a larger setting
 
@@ -233,6 +272,39 @@ def build_parser() -> Parser:
                      help="with --uri: sample RabbitMQ's management API each second (connection, channel and "
                           "queue states, alarms) into the run's telemetry, for creditflow report")
     run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    t = run.add_argument_group("topology (PerfTest's flags)")
+    t.add_argument("-e", "--exchange", default=None,
+                   help="exchange to publish to (default: the default exchange; with several queues a fanout)")
+    t.add_argument("-t", "--type", default=None, choices=("direct", "fanout", "topic", "headers"),
+                   help="exchange type (default direct; fanout for several queues without -e)")
+    t.add_argument("-k", "--routing-key", default=None,
+                   help="routing key, every queue bound with it (default: each producer its own queue's name)")
+    t.add_argument("-qp", "--queue-pattern", default=None, metavar="PATTERN",
+                   help="queues named by PATTERN with %%d from --queue-pattern-from to --queue-pattern-to; "
+                        "producers and consumers spread over them")
+    t.add_argument("-qpf", "--queue-pattern-from", type=nonneg_int, default=1, metavar="N")
+    t.add_argument("-qpt", "--queue-pattern-to", type=nonneg_int, default=None, metavar="N")
+    t.add_argument("-qa", "--queue-args", type=queue_args_arg, default=(), metavar="NAME=VALUE,...",
+                   help="queue.declare arguments, e.g. x-max-length=1000,x-overflow=reject-publish")
+    t.add_argument("-ad", "--auto-delete", type=bool_arg, nargs="?", const=True, default=False,
+                   metavar="true|false", help="declare the queues auto-delete (default false)")
+    t.add_argument("-A", "--multi-ack-every", type=nonneg_int, default=0, metavar="N",
+                   help="consumers ack every N messages with one multiple ack (default: once per socket read)")
+    shape = run.add_argument_group("traffic shape")
+    shape.add_argument("-C", "--pmessages", type=nonneg_int, default=0,
+                       help="messages each producer sends, then stops (default: until -z)")
+    shape.add_argument("-D", "--cmessages", type=nonneg_int, default=0,
+                       help="messages each consumer takes, then stops (default: no limit)")
+    shape.add_argument("-vr", "--variable-rate", type=step_arg(float), action="append", default=[],
+                       metavar="RATE:SECONDS", help="publish RATE msg/s for SECONDS; repeat for steps, in turn")
+    shape.add_argument("-vs", "--variable-size", type=step_arg(int), action="append", default=[],
+                       metavar="BYTES:SECONDS", help="bodies of BYTES for SECONDS; repeat for steps, in turn")
+    shape.add_argument("-vl", "--variable-latency", type=step_arg(int), action="append", default=[],
+                       metavar="MICROSECONDS:SECONDS", help="consumer latency steps, in turn (as -L)")
+    shape.add_argument("-prsd", "--producer-random-start-delay", type=nonneg_seconds, default=0.0,
+                       metavar="SECONDS", help="each producer starts after a random delay up to SECONDS")
+    shape.add_argument("-R", "--consumer-rate", type=rate_arg, default=None,
+                       help="msg/s each consumer takes at most (default unlimited)")
     add_broker_options(run)
 
     demo = sub.add_parser("demo", help="reproduce a memory alarm: publishers blocked, consumer drains, alarm clears")
@@ -470,8 +542,8 @@ def cmd_run(args) -> int:
         if given:
             raise UsageError(f"creditflow run: {', '.join(given)} only apply to a broker creditflow starts; "
                              "with --uri the broker is the one the URI names")
-    elif load.producers and load.body_bytes > args.max_message_bytes:
-        raise UsageError(f"creditflow run: messages of {load.body_bytes} bytes (-s) are over the broker's "
+    elif load.producers and load.max_body_bytes > args.max_message_bytes:
+        raise UsageError(f"creditflow run: messages of {load.max_body_bytes} bytes (-s) are over the broker's "
                          f"--max-message-bytes {args.max_message_bytes}, which would refuse every one (406); "
                          f"raise --max-message-bytes or lower -s")
     return run_harness(args, load)

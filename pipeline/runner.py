@@ -26,9 +26,10 @@ from dataclasses import replace
 
 from pipeline.ctlclient import BrokerNotRunning, CtlClient, wait_for_broker
 from pipeline.loadgen.accounting import BrokerView, QueueDepth
-from pipeline.loadgen.config import LoadConfig
+from pipeline.loadgen.config import InvalidLoadConfig, LoadConfig
 from pipeline.supervisor import BrokerConfig, run_broker
 
+EXIT_LOAD_FAILED = 1             # a publisher or consumer could not connect or set up
 EXIT_LOST = 5
 EXIT_NO_BROKER = 6               # --uri names a broker that cannot be reached (the CLI's code for it too)
 PLACEHOLDER_PORT = 5672          # a LoadConfig is checked with it before the broker has a port
@@ -174,7 +175,8 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
     return {
         "published": result.published, "confirmed": result.confirmed, "nacked": result.nacked,
         "returned": result.returned, "delivered": result.delivered, "undelivered": result.undelivered,
-        "lost": result.lost, "rejected": result.rejected, "rejections": result.rejections,
+        "lost": result.lost, "dropped": result.dropped, "rejected": result.rejected, "rejections": result.rejections,
+        "skipped": result.skipped, "foreign": result.foreign,
         "drain": drain_summary(result), "errors": list(result.errors),
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
@@ -191,10 +193,36 @@ def load_config(args) -> LoadConfig:
         address = parse_amqp_uri(args.uri)
         where = {"host": address.host, "port": address.port, "user": address.user, "password": address.password,
                  "vhost": address.vhost}
+    queues, exchange_type = (), getattr(args, "type", None)
+    pattern = getattr(args, "queue_pattern", None)
+    if pattern is not None:
+        if args.queue_pattern_to is None:
+            raise InvalidLoadConfig("--queue-pattern needs --queue-pattern-to (and --queue-pattern-from, default 1)")
+        if args.queue_pattern_to < args.queue_pattern_from:
+            raise InvalidLoadConfig(f"--queue-pattern-to {args.queue_pattern_to} is below --queue-pattern-from "
+                                    f"{args.queue_pattern_from}")
+        try:
+            queues = tuple(pattern % i for i in range(args.queue_pattern_from, args.queue_pattern_to + 1))
+        except (TypeError, ValueError):
+            raise InvalidLoadConfig(f"--queue-pattern needs one %d, got {pattern!r}") from None
+        if pattern % args.queue_pattern_from == pattern % (args.queue_pattern_from + 1):
+            raise InvalidLoadConfig(f"--queue-pattern needs one %d, got {pattern!r}")
+        if exchange_type is None and args.exchange is None:
+            exchange_type = "direct"           # PerfTest: producers and consumers spread over the queues
+    elif getattr(args, "queue_pattern_to", None) is not None:
+        raise InvalidLoadConfig("--queue-pattern-to goes with --queue-pattern")
+    shape = {}
+    if hasattr(args, "pmessages"):
+        shape = dict(exchange=args.exchange, exchange_type=exchange_type, routing_key=args.routing_key,
+                     queue_args=args.queue_args, auto_delete=args.auto_delete, multi_ack_every=args.multi_ack_every,
+                     pmessages=args.pmessages, cmessages=args.cmessages, variable_rate=tuple(args.variable_rate),
+                     variable_size=tuple(args.variable_size), variable_latency=tuple(args.variable_latency),
+                     start_delay_s=args.producer_random_start_delay, consumer_rate=args.consumer_rate)
     return LoadConfig(producers=args.producers, consumers=args.consumers, rate=args.rate, size=args.size,
                       persistent="persistent" in args.flag, mandatory="mandatory" in args.flag,
                       confirm=args.confirm, prefetch=args.qos, autoack=args.autoack, duration_s=args.time,
-                      consumer_latency_us=args.consumer_latency, queue=args.queue, drain_s=args.drain_s, **where)
+                      consumer_latency_us=args.consumer_latency, queue=args.queue, drain_s=args.drain_s,
+                      queues=queues, **shape, **where)
 
 
 class BrokerUnreachable(Exception):
@@ -397,8 +425,17 @@ def outcome_lines(summary: dict) -> list[str]:
         lines.append(f"rejected {n}: {reason}")
     for error in summary["errors"]:
         lines.append(f"error: {error}")
+    if summary.get("skipped"):
+        lines.append(f"skipped {summary['skipped']} sends: publishers stalled (blocked, flow, CPU) and the rate "
+                     "limiter did not burst to catch up; their latency is in the consumer figures")
+    if summary.get("foreign"):
+        lines.append(f"received {summary['foreign']} messages from another tool (PerfTest/omq layout): "
+                     "latency measured, order not checked")
     lines.append(f"published {summary['published']}, delivered {summary['delivered']}, "
-                 f"undelivered {summary['undelivered']}, lost {summary['lost']}, rejected {summary['rejected']}; "
+                 f"undelivered {summary['undelivered']}, lost {summary['lost']}, "
+                 + (f"dropped {summary['dropped']} (by the queues' length limit or TTL), "
+                    if summary.get("dropped") else "")
+                 + f"rejected {summary['rejected']}; "
                  f"publish {summary['publish_rate']:.0f} msg/s, deliver {summary['deliver_rate']:.0f} msg/s")
     return lines
 
@@ -406,6 +443,7 @@ def outcome_lines(summary: dict) -> list[str]:
 def run_harness(args, load: LoadConfig | None = None) -> int:
     """``creditflow run``: ``load`` already checked by the CLI (built from ``args`` if None)."""
     from pipeline.cli import broker_config
+    from pipeline.loadgen.harness import WorkerFailed
     from pipeline.loadgen.report import format_line
     from pipeline.view import View
 
@@ -415,20 +453,24 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
 
     def each_second(rep, status, ctl):
         return view.second(format_line(rep), states_line(status), status)
-    if getattr(args, "uri", None):
-        def each_remote_second(rep, line, _ctl):
-            return view.second(format_line(rep), line, {})
-        try:
+    try:
+        if getattr(args, "uri", None):
+            def each_remote_second(rep, line, _ctl):
+                return view.second(format_line(rep), line, {})
+            try:
+                with view:
+                    summary, _ = execute_remote(load, run_dir, management_uri=args.management_uri,
+                                                on_second=each_remote_second, on_drain=view.log)
+            except BrokerUnreachable as exc:
+                print(f"creditflow run: {exc}", file=sys.stderr)
+                return EXIT_NO_BROKER
+        else:
+            cfg = broker_config(args, run_dir, args.port)
             with view:
-                summary, _ = execute_remote(load, run_dir, management_uri=args.management_uri,
-                                            on_second=each_remote_second, on_drain=view.log)
-        except BrokerUnreachable as exc:
-            print(f"creditflow run: {exc}", file=sys.stderr)
-            return EXIT_NO_BROKER
-    else:
-        cfg = broker_config(args, run_dir, args.port)
-        with view:
-            summary, _ = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
+                summary, _ = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
+    except WorkerFailed as exc:          # e.g. a declare the broker refused (406 inequivalent arg)
+        print(f"creditflow run: the load could not start: {exc}", file=sys.stderr)
+        return EXIT_LOAD_FAILED
     print(f"run directory: {run_dir}")
     for line in outcome_lines(summary):
         print(line)

@@ -10,7 +10,7 @@ from pipeline.amqp import frames
 from pipeline.amqp.errors import FrameError
 from pipeline.loadgen import latency
 from pipeline.loadgen.consumer import DeliveryStream, SequenceChecker
-from pipeline.loadgen.publisher import BODY_HEAD
+from pipeline.loadgen.publisher import BODY_HEAD, encode_head
 
 START_NS = 1_000_000_000
 PROPS = frames.properties_raw(delivery_mode=1)
@@ -18,7 +18,7 @@ PROPS = frames.properties_raw(delivery_mode=1)
 
 def body(intended_ns: int, seq: int, producer: int = 0, size: int = 100) -> bytes:
     b = bytearray(size)
-    BODY_HEAD.pack_into(b, 0, intended_ns, seq, producer)
+    b[:BODY_HEAD.size] = encode_head(intended_ns, seq, producer)
     return bytes(b)
 
 

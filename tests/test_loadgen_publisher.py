@@ -7,7 +7,8 @@ from pamqp import body as pbody, commands, frame, header
 
 from pipeline.amqp import frames
 from pipeline.loadgen import latency
-from pipeline.loadgen.publisher import BODY_HEAD, ConfirmTracker, PublishTemplate, RateSchedule
+from pipeline.loadgen.publisher import BODY_HEAD, ConfirmTracker, PublishTemplate, decode_head, encode_head
+from pipeline.loadgen.schedule import SendSchedule
 
 
 def unmarshal_all(data: bytes) -> list:
@@ -48,7 +49,7 @@ def test_template_frames_decode_in_pamqp_with_patched_times_and_sequences():
         assert (method.exchange, method.routing_key, method.mandatory) == ("", "creditflow-perf", False)
         assert head.body_size == 100 == len(body)
         assert head.properties.delivery_mode == 2
-        assert BODY_HEAD.unpack_from(body) == (times[i], 41 + i, 7)
+        assert decode_head(body) == (times[i], 41 + i, 7)
         assert body[BODY_HEAD.size:] == bytes(100 - BODY_HEAD.size)
 
 
@@ -58,10 +59,10 @@ def test_refilling_changes_only_times_and_sequences():
     first = bytes(tpl.fill(1, [10, 10, 10, 10]))
     second = bytes(tpl.fill(5, [99, 99, 99, 99]))
     changed = [i for i in range(len(first)) if first[i] != second[i]]
-    assert changed and all((i % tpl.message_bytes) - tpl.body_offset in range(16) for i in changed)
+    assert changed and all((i % tpl.message_bytes) - tpl.body_offset in range(12) for i in changed)
     method, head, body = messages(second)[3]
     assert (method.exchange, method.mandatory) == ("x", True)
-    assert BODY_HEAD.unpack_from(body) == (99, 8, 3)
+    assert decode_head(body) == (99, 8, 3)
 
 
 def test_a_body_over_frame_max_is_split_and_the_header_stays_in_the_first_frame():
@@ -70,7 +71,7 @@ def test_a_body_over_frame_max_is_split_and_the_header_stays_in_the_first_frame(
     data = tpl.fill(1, [5, 6])
     body_frames = [obj for _, obj in unmarshal_all(data) if isinstance(obj, pbody.ContentBody)]
     assert [len(b.value) for b in body_frames] == [4088, 4088, 1824] * 2
-    assert [BODY_HEAD.unpack_from(m[2])[:2] for m in messages(data)] == [(5, 1), (6, 2)]
+    assert [decode_head(m[2]) for m in messages(data)] == [(5, 1, 1), (6, 2, 1)]
 
 
 def test_big_messages_get_fewer_slots():
@@ -85,14 +86,14 @@ def test_template_refuses_a_body_without_room_for_the_header():
 
 
 def test_unlimited_schedule_intends_now():
-    s = RateSchedule(None, start_ns=0)
+    s = SendSchedule(0)
     assert s.due(5_000, 3) == [5_000] * 3
     assert s.due(6_000, 0) == []
     assert s.next_due_ns() is None
 
 
 def test_rated_schedule_follows_start_plus_i_over_rate():
-    s = RateSchedule(1000, start_ns=1_000_000_000)            # one message a millisecond
+    s = SendSchedule(1_000_000_000, 1000)            # one message a millisecond
     assert s.due(999_999_999, 10) == []                         # nothing before the start
     assert s.due(1_000_000_000, 10) == [1_000_000_000]
     assert s.next_due_ns() == 1_001_000_000
@@ -100,9 +101,9 @@ def test_rated_schedule_follows_start_plus_i_over_rate():
     assert s.due(1_003_000_000, 10) == [1_001_000_000, 1_002_000_000, 1_003_000_000]
 
 
-def test_a_late_publisher_keeps_the_original_intended_times():
-    """Stalled for 10 ms, it owes 10 messages whose latency counts from when they were due."""
-    s = RateSchedule(1000, start_ns=0)
+def test_a_publisher_late_by_jitter_keeps_the_original_intended_times():
+    """Late by 10 ms (within STALL_TOLERANCE_NS), it owes 10 messages whose latency counts from when they were due."""
+    s = SendSchedule(0, 1000)
     assert s.due(0, 64) == [0]
     late = s.due(10_000_000, 4)                                 # the batch limit caps how many go now
     assert late == [1_000_000, 2_000_000, 3_000_000, 4_000_000]
@@ -110,11 +111,42 @@ def test_a_late_publisher_keeps_the_original_intended_times():
 
 
 def test_fractional_rates():
-    s = RateSchedule(0.5, start_ns=0)                           # one every two seconds
-    assert s.due(1_999_999_999, 5) == [0]
+    s = SendSchedule(0, 0.5)                                    # one every two seconds
+    assert s.due(0, 5) == [0]
+    assert s.due(1_999_999_999, 5) == []
     assert s.due(2_000_000_000, 5) == [2_000_000_000]
-    s = RateSchedule(3, start_ns=0)
-    assert s.due(1_000_000_000, 10) == [0, 333_333_333, 666_666_667, 1_000_000_000]
+    s = SendSchedule(0, 3)
+    assert [t for now in range(0, 1_000_000_001, 50_000_000) for t in s.due(now, 10)] == \
+        [0, 333_333_333, 666_666_667, 1_000_000_000]
+
+
+def test_after_a_stall_the_schedule_skips_instead_of_bursting():
+    """Blocked for a second at 1000 msg/s: the first overdue message goes (its latency shows the whole
+    stall), the 999 others behind it are skipped, and sending goes on at 1000 msg/s from then."""
+    s = SendSchedule(0, 1000)
+    assert s.due(0, 64) == [0]
+    assert s.due(1_000_000_000, 64) == [1_000_000, 1_000_000_000]
+    assert s.skipped == 998                                     # intended at 2 .. 999 ms
+    assert s.due(1_000_500_000, 64) == []
+    assert s.due(1_003_000_000, 64) == [1_001_000_000, 1_002_000_000, 1_003_000_000]
+    waited = s.take_omitted()
+    assert sum(n for _, n in waited) == 998 and s.take_omitted() == []
+    assert max(us for us, _ in waited) < 1_000_000 and min(us for us, _ in waited) < 10_000
+
+
+def test_variable_rate_steps_repeat_in_turn_and_a_zero_rate_pauses():
+    s = SendSchedule(0, steps=((2, 1.0), (0, 1.0), (4, 1.0)))
+    sent = [t for now in range(0, 6_000_000_001, 50_000_000) for t in s.due(now, 100)]
+    assert sent == [0, 500_000_000, 2_000_000_000, 2_250_000_000, 2_500_000_000, 2_750_000_000,
+                    3_000_000_000, 3_500_000_000, 5_000_000_000, 5_250_000_000, 5_500_000_000, 5_750_000_000,
+                    6_000_000_000]
+    assert s.skipped == 0
+
+
+def test_a_message_limit_ends_the_schedule():
+    s = SendSchedule(0, limit=5)                                # unlimited rate, -C 5
+    assert s.due(0, 3) == [0, 0, 0] and s.due(1, 64) == [1, 1]
+    assert s.exhausted() and s.due(2, 64) == [] and s.next_due_ns() is None
 
 
 def test_confirm_window_limits_publishing_and_acks_become_latencies():

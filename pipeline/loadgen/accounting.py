@@ -16,8 +16,9 @@ time            ``drain_s`` ran out
 consumers gone  no consumer process is left
 ==============  ==============================================================
 
-Then, per publisher ``p`` and consumed queue ``q`` (one with a consumer; a
-publish is expected once in each, ``C`` times in all), where ``H[p,q]`` is
+Then, per publisher ``p`` and consumed queue ``q`` that ``p``'s publishes
+are routed to (one with a consumer; a publish is expected once in each,
+``C[p]`` times in all, see ``topology``), where ``H[p,q]`` is
 the highest sequence of ``p`` a consumer of ``q`` received and ``taken[p]``
 the highest known to have reached the broker (confirmed or nacked through
 it, or received by any consumer):
@@ -29,7 +30,7 @@ it, or received by any consumer):
     broker discards what follows the frame it refused. Counted in publishes,
     by reason (``rejections``).
 ``expected``
-    ``(sent - rejected) * C`` summed over publishers, in copies.
+    ``(sent - rejected) * C[p]`` summed over publishers, in copies.
 ``outstanding``
     ``expected - delivered`` (not below 0).
 ``undelivered``
@@ -41,9 +42,12 @@ it, or received by any consumer):
     broker empty and every publisher's connection closed or refused: then
     nothing can still be on its way.
 ``lost``
-    ``outstanding - undelivered``: accepted by the broker and gone. A defect.
+    ``outstanding - undelivered``: accepted by the broker and gone. A defect,
+    unless the queues' arguments drop messages by design (``x-max-length``
+    with drop-head, ``x-message-ttl``): then the same count is ``dropped``
+    and ``lost`` is 0 (the load side cannot tell one from the other).
 
-So ``delivered + undelivered + lost == (published - rejected) * C`` when no
+So ``delivered + undelivered + lost + dropped == sum((sent - rejected) * C[p])`` when no
 copy arrived twice. Pure: no I/O, no clock.
 """
 
@@ -113,6 +117,7 @@ class Accounts:
     lost: int
     rejected: int                 # publishes
     rejections: dict              # reason -> publishes
+    dropped: int = 0              # copies the queues may have dropped by design (``cfg.queues_may_drop``)
 
 
 def consumed_queues(cfg: LoadConfig) -> list[str]:
@@ -139,7 +144,8 @@ def account(cfg: LoadConfig, publishers: dict, consumers: dict, drain: DrainEnd 
         pid = name.rsplit("-", 1)[1]
         sent = stats.get("sent", 0)
         nacked, returned = stats.get("nacked", 0), stats.get("returned", 0)
-        heard = [highest[q].get(pid, 0) for q in queues]
+        reached = [q for q in cfg.producer_queues(int(pid)) if q in highest]
+        heard = [highest[q].get(pid, 0) for q in reached]
         taken = min(sent, max([stats.get("settled_through", 0), *heard]))
         connection = stats.get("connection", OPEN)
         proven = proven and connection in (CLOSED, REFUSED)
@@ -153,7 +159,7 @@ def account(cfg: LoadConfig, publishers: dict, consumers: dict, drain: DrainEnd 
             if n:
                 rejections[reason] = rejections.get(reason, 0) + n
         rejected += nacked + returned + sent - limit
-        expected += max(0, limit - nacked - returned) * len(queues)
+        expected += max(0, limit - nacked - returned) * len(reached)
         tails += sum(max(0, limit - h) for h in heard)
     outstanding = max(0, expected - delivered)
     if drain is None:
@@ -164,5 +170,8 @@ def account(cfg: LoadConfig, publishers: dict, consumers: dict, drain: DrainEnd 
         held = sum(d.held for q, d in (drain.queues or {}).items() if q in queues)
         undelivered = min(outstanding, held + tails)
         lost = outstanding - undelivered
+    dropped = 0
+    if lost and cfg.queues_may_drop:
+        dropped, lost = lost, 0
     return Accounts(expected=expected, delivered=delivered, undelivered=undelivered, lost=lost,
-                    rejected=rejected, rejections=rejections)
+                    rejected=rejected, rejections=rejections, dropped=dropped)

@@ -210,18 +210,20 @@ class AmqpClient:
         self._call(0, commands.Connection.Open(virtual_host=vhost), "Connection.OpenOk")
         self._call(CHANNEL, commands.Channel.Open(), "Channel.OpenOk")
 
-    def queue_declare(self, queue: str, durable: bool = True) -> int:
-        """Declare ``queue`` (not exclusive, not auto-delete); the number of messages it holds."""
-        ok = self._call(CHANNEL, commands.Queue.Declare(queue=queue, durable=durable), "Queue.DeclareOk")
+    def queue_declare(self, queue: str, durable: bool = True, auto_delete: bool = False,
+                      arguments: dict | None = None) -> int:
+        """Declare ``queue`` (not exclusive); the number of messages it holds."""
+        ok = self._call(CHANNEL, commands.Queue.Declare(queue=queue, durable=durable, auto_delete=auto_delete,
+                                                        arguments=arguments or None), "Queue.DeclareOk")
         return ok.message_count
 
     def exchange_declare(self, exchange: str, exchange_type: str = "fanout", durable: bool = True) -> None:
         self._call(CHANNEL, commands.Exchange.Declare(exchange=exchange, exchange_type=exchange_type,
                                                       durable=durable), "Exchange.DeclareOk")
 
-    def queue_bind(self, queue: str, exchange: str, routing_key: str = "") -> None:
-        self._call(CHANNEL, commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key),
-                   "Queue.BindOk")
+    def queue_bind(self, queue: str, exchange: str, routing_key: str = "", arguments: dict | None = None) -> None:
+        self._call(CHANNEL, commands.Queue.Bind(queue=queue, exchange=exchange, routing_key=routing_key,
+                                                arguments=arguments or None), "Queue.BindOk")
 
     def basic_qos(self, prefetch_count: int) -> None:
         self._call(CHANNEL, commands.Basic.Qos(prefetch_count=prefetch_count), "Basic.QosOk")

@@ -16,13 +16,29 @@ duration_s             -z           seconds of publishing
 drain_s                --drain-s    after -z, seconds consumers may take to empty the queues
 consumer_latency_us    -L           time a consumer spends on each message
 queue                  -u           queue name
-queues                 (fan-out)    several queues bound to one fanout exchange
+queues                 --queue-pattern  the queues (``%d`` from --queue-pattern-from to -to)
+exchange               -e           exchange; None: the default exchange for one queue,
+                                    ``creditflow-perf-fanout`` for several
+exchange_type          -t           direct, fanout, topic, headers (None: direct if
+                                    ``exchange`` is named, else as above)
+routing_key            -k           see ``topology``; None: each producer its queue
+queue_args             --queue-args queue.declare arguments, ((name, value), ...)
+auto_delete            --auto-delete  queues go when their last consumer does
+multi_ack_every        -A           consumers ack every N messages (0: each read)
+pmessages              -C           messages per producer, then it stops (0: -z decides)
+cmessages              -D           messages per consumer, then it stops (0: no limit)
+variable_rate          --variable-rate  ((rate, seconds), ...) repeated in turn
+variable_size          --variable-size  ((bytes, seconds), ...) repeated in turn
+variable_latency       --variable-latency  ((µs, seconds), ...) consumer latency, in turn
+start_delay_s          --producer-random-start-delay  each producer waits up to this long
+consumer_rate          --consumer-rate  msg/s per consumer; None = as fast as possible
 =====================  ===========  ==========================================
 
 Queues are declared durable and not auto-delete (``durable=False`` for a
-transient queue). With one queue, publishers use the default exchange; with
-several, they publish to a fanout exchange bound to all of them, and
-consumers are spread over the queues round-robin.
+transient queue). Where publishes go is ``topology``'s table: with one
+queue and no exchange, the default exchange; with several and no exchange
+type, a fanout exchange bound to all of them. Consumers are spread over the
+queues round-robin.
 """
 
 from __future__ import annotations
@@ -31,8 +47,9 @@ import math
 from dataclasses import dataclass
 
 from pipeline.loadgen import LoadgenError
+from pipeline.loadgen.topology import DEFAULT, DIRECT, EXCHANGE_TYPES, FANOUT, Topology
 
-BODY_HEADER_BYTES = 20            # u64 intended send ns | u64 sequence | u32 producer id
+BODY_HEADER_BYTES = 20            # PerfTest's 12 (seq, ns) + producer id + high sequence bits
 MAX_BODY_BYTES = 128 * 1024 * 1024
 MIN_FRAME_MAX_BYTES = 4096
 MAX_BATCH_MESSAGES = 4096
@@ -77,7 +94,19 @@ class LoadConfig:
     consumer_latency_us: int = 0
     queue: str = "creditflow-perf"
     queues: tuple[str, ...] = ()          # empty means (queue,)
-    exchange: str = "creditflow-perf-fanout"
+    exchange: str | None = None
+    exchange_type: str | None = None
+    routing_key: str | None = None
+    queue_args: tuple = ()                # ((name, value), ...) for queue.declare
+    auto_delete: bool = False
+    multi_ack_every: int = 0
+    pmessages: int = 0
+    cmessages: int = 0
+    variable_rate: tuple = ()             # ((msg/s, seconds), ...)
+    variable_size: tuple = ()             # ((bytes, seconds), ...)
+    variable_latency: tuple = ()          # ((µs, seconds), ...)
+    start_delay_s: float = 0.0
+    consumer_rate: float | None = None
     durable: bool = True
     host: str = "127.0.0.1"
     port: int = 5672
@@ -119,8 +148,48 @@ class LoadConfig:
         if len(set(queues)) != len(queues):
             raise InvalidLoadConfig(f"queues must be distinct, got {list(queues)}")
         object.__setattr__(self, "queues", queues)
-        if len(queues) > 1:
-            _name("exchange", self.exchange)
+        if self.exchange is not None and self.exchange != "":
+            _name("exchange (-e)", self.exchange)
+        if self.exchange_type is not None and self.exchange_type not in EXCHANGE_TYPES:
+            raise InvalidLoadConfig(f"exchange type (-t) must be one of {', '.join(EXCHANGE_TYPES)}, "
+                                    f"got {self.exchange_type!r}")
+        if self.exchange == "" and self.exchange_type not in (None, DIRECT):
+            raise InvalidLoadConfig(f"the default exchange is a direct exchange; -t {self.exchange_type} needs "
+                                    "a named exchange (-e)")
+        if self.routing_key is not None and (not isinstance(self.routing_key, str)
+                                             or len(self.routing_key.encode("utf-8")) > 255):
+            raise InvalidLoadConfig(f"routing key (-k) must be at most 255 bytes, got {self.routing_key!r}")
+        for pair in self.queue_args:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str) and pair[0]):
+                raise InvalidLoadConfig(f"queue arguments must be (name, value) pairs, got {pair!r}")
+        _int("multi-ack-every (-A)", self.multi_ack_every, 0)
+        if self.multi_ack_every and self.prefetch and self.multi_ack_every > self.prefetch:
+            raise InvalidLoadConfig(f"--multi-ack-every {self.multi_ack_every} is above the prefetch (-q "
+                                    f"{self.prefetch}): consumers would wait for messages the broker never sends")
+        if self.multi_ack_every and self.autoack:
+            raise InvalidLoadConfig("--multi-ack-every has nothing to acknowledge with -a (no-ack)")
+        _int("messages per producer (-C)", self.pmessages, 0)
+        _int("messages per consumer (-D)", self.cmessages, 0)
+        for what, steps, low in (("--variable-rate", self.variable_rate, 0), ("--variable-size", self.variable_size, 0),
+                                 ("--variable-latency", self.variable_latency, 0)):
+            for step in steps:
+                if not (isinstance(step, tuple) and len(step) == 2 and _seconds(step[0]) and step[0] >= low
+                        and _seconds(step[1]) and step[1] > 0):
+                    raise InvalidLoadConfig(f"{what} steps must be VALUE:SECONDS with SECONDS above 0, got {step!r}")
+        for size, _ in self.variable_size:
+            _int("--variable-size bytes", size, 0, MAX_BODY_BYTES)
+        if self.variable_rate and self.rate is not None:
+            raise InvalidLoadConfig("-r and --variable-rate both set the rate: give one")
+        if self.variable_latency and self.consumer_latency_us:
+            raise InvalidLoadConfig("-L and --variable-latency both set the consumer latency: give one")
+        if not _seconds(self.start_delay_s) or self.start_delay_s < 0:
+            raise InvalidLoadConfig(f"--producer-random-start-delay must be 0 or more seconds, got {self.start_delay_s!r}")
+        if self.consumer_rate is not None and (not _seconds(self.consumer_rate) or not self.consumer_rate > 0):
+            raise InvalidLoadConfig(f"consumer rate (--consumer-rate) must be a positive number of msg/s, "
+                                    f"got {self.consumer_rate!r}")
+        for flag in ("auto_delete",):
+            if not isinstance(getattr(self, flag), bool):
+                raise InvalidLoadConfig(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.host, str) or not self.host:
             raise InvalidLoadConfig(f"host must be a host name or address, got {self.host!r}")
         _int("port", self.port, 1, 65535)
@@ -137,8 +206,44 @@ class LoadConfig:
         return max(self.size, BODY_HEADER_BYTES)
 
     @property
+    def topology(self) -> Topology:
+        """Exchange, bindings and routes (see ``topology``), with the defaults resolved."""
+        kind, name = self.exchange_type, self.exchange
+        if name is None and kind is None:
+            name, kind = ("", DEFAULT) if len(self.queues) == 1 else ("creditflow-perf-fanout", FANOUT)
+        elif name is None:
+            name = f"creditflow-perf-{kind}"
+        elif name == "":
+            kind = DEFAULT
+        elif kind is None:
+            kind = DIRECT
+        return Topology(name, kind, self.queues, self.routing_key)
+
+    @property
     def fanout(self) -> bool:
-        return len(self.queues) > 1
+        return self.topology.exchange_type == FANOUT
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest body a producer sends (``size`` or the largest ``--variable-size`` step)."""
+        return max([self.body_bytes] + [max(s, BODY_HEADER_BYTES) for s, _ in self.variable_size])
+
+    @property
+    def queues_may_drop(self) -> str:
+        """Why the queues may drop accepted messages by design ("" when they may not): a length limit
+        that drops the head (RabbitMQ's default overflow) or a message TTL."""
+        args = dict(self.queue_args)
+        if args.get("x-overflow", "drop-head") == "drop-head":
+            for limit in ("x-max-length", "x-max-length-bytes"):
+                if limit in args:
+                    return f"{limit}={args[limit]} (drop-head)"
+        if "x-message-ttl" in args:
+            return f"x-message-ttl={args['x-message-ttl']}"
+        return ""
+
+    def producer_queues(self, index: int) -> tuple[str, ...]:
+        """The queues producer ``index``'s publishes are routed to."""
+        return self.topology.reaches(index)
 
     def consumer_queue(self, index: int) -> str:
         """The queue consumer ``index`` reads (round-robin over ``queues``)."""
@@ -149,5 +254,5 @@ class LoadConfig:
 
     @property
     def copies_consumed(self) -> int:
-        """Deliveries to expect per published message: one per queue that has a consumer."""
-        return sum(1 for q in self.queues if self.consumers_on(q))
+        """Deliveries to expect per message of producer 0: one per queue it reaches that has a consumer."""
+        return sum(1 for q in self.producer_queues(0) if self.consumers_on(q))

@@ -47,13 +47,16 @@ from pipeline.amqp import frames
 from pipeline.loadgen import latency
 from pipeline.loadgen.client import CHANNEL, RECEIVE_CHUNK_BYTES, AmqpClient
 from pipeline.loadgen.config import LoadConfig
-from pipeline.loadgen.publisher import BODY_HEAD
+from pipeline.loadgen.publisher import BODY_HEAD, OWN_TAG, PRODUCER_MASK, declare_topology
 from pipeline.loadgen.report import WorkerLink
+from pipeline.loadgen.schedule import Steps
 
 REPORT_INTERVAL_NS = 1_000_000_000
 BUSY_WAIT_BELOW_US = 1000
 FRAME_END = frames.FRAME_END
 CONTROL_POLL_BUSY_NS = 20_000_000
+OWN_MASK = ~PRODUCER_MASK & 0xFFFFFFFF
+WALL_CLOCK_SLACK_NS = 1_000_000_000      # another machine's clock may run this far ahead
 
 
 def spend_us(us: int) -> None:
@@ -90,11 +93,13 @@ class SequenceChecker:
 @dataclass(frozen=True)
 class ConsumerStatistics:
     received: int                 # messages of this run, completely received
-    stale: int                    # messages from before this run, or not ours
+    stale: int                    # messages from before this run, or without a time to measure
     gaps: int
     duplicates: int
     acked_tag: int                # highest delivery tag acknowledged
     highest: dict                 # producer id -> highest sequence received from it
+    foreign: int = 0              # messages of this run from another tool (PerfTest, omq): measured, not checked
+    last_ns: int = 0              # when the last message was taken (monotonic ns)
 
 
 class DeliveryShape:
@@ -114,7 +119,7 @@ class DeliveryShape:
     def __init__(self, channel: int, method_bytes: int, header_bytes: int, body_bytes: int):
         self.struct = struct.Struct(f">BHIHH{method_bytes - 4}xB"
                                     f"BHIHHQ{header_bytes - 12}xB"
-                                    f"BHIQQI{body_bytes - BODY_HEAD.size}xB")
+                                    f"BHIIQII{body_bytes - BODY_HEAD.size}xB")
         self.size = self.struct.size
         self.method_end = 7 + method_bytes
         self.fixed = (1, channel, method_bytes, *frames.BASIC_DELIVER, FRAME_END,
@@ -137,14 +142,18 @@ class DeliveryStream:
         self.clock = clock
         self.received = 0
         self.stale = 0
+        self.foreign = 0
+        self.last_ns = 0
+        self.run_start_wall_ns = time.time_ns() - (time.monotonic_ns() - run_start_ns)
         self.last_tag = 0
         self._in_content = False     # a basic.deliver was read and its header is awaited
         self._body_left = 0          # body bytes still to come for the current message
         self._head = None            # (intended ns, seq, producer) of the current message, or None
         self.shape: DeliveryShape | None = None
 
-    def feed(self, buf, now_ns: int, on_other) -> int:
-        """Consume the whole frames at the start of ``buf``; the number of bytes they took.
+    def feed(self, buf, now_ns: int, on_other, limit: int | None = None) -> int:
+        """Consume the whole frames at the start of ``buf``; the number of bytes they took. With
+        ``limit``, stop after that many complete messages (the rest stays for a later call).
 
         ``on_other(ftype, channel, payload_start, payload_end)`` is called for
         frames that are not part of a delivery, before ``feed`` returns. The
@@ -152,6 +161,8 @@ class DeliveryStream:
         its state lives in locals; a message of the learned ``DeliveryShape``
         is taken in one step, anything else frame by frame with ``next_frame``.
         """
+        if limit is not None and limit <= 0:
+            return 0
         next_frame = frames.next_frame
         method_id = frames.method_id
         content_header = frames.decode_content_header
@@ -171,7 +182,7 @@ class DeliveryStream:
                                                                    shape.fixed, shape.method_end)
         msg_start = None                 # where the message being assembled began, if in this buffer
         method_len = header_len = 0
-        received = stale = gaps = duplicates = 0
+        received = stale = gaps = duplicates = foreign = 0
         size = len(buf)
         pos = 0
         last_deliver = None
@@ -179,10 +190,10 @@ class DeliveryStream:
             while True:
                 if shape is not None and body_left <= 0 and not in_content and size - pos >= shape_size:
                     v = shape_unpack(buf, pos)
-                    if v[:16] == shape_fixed and v[19] == FRAME_END:
+                    if v[:16] == shape_fixed and v[20] == FRAME_END:
                         last_deliver = (pos + 7, pos + shape_method)
                         pos += shape_size
-                        head = v[16:19]
+                        head = v[16:20]
                     else:
                         shape = self.shape = None        # the stream changed shape; learn it again
                         continue
@@ -221,11 +232,24 @@ class DeliveryStream:
                 # a message is complete
                 if delay_us:
                     now_ns = self.clock()
-                if head is None or head[0] < run_start_ns:
+                if head is None or head[1] < run_start_ns:
                     stale += 1
+                    if head is not None and head[1] > now_ns:
+                        stale -= 1                        # not a monotonic time: another tool's wall clock
+                        lat = self.wall_clock_latency_us(head[1])
+                        if lat is None:
+                            stale += 1
+                        else:
+                            received += 1
+                            foreign += 1
+                            self.recorder.record_us(lat)
+                elif (tag := head[2]) & OWN_MASK != OWN_TAG:      # PerfTest's (its int32 sequence unchecked)
+                    received += 1
+                    foreign += 1
+                    self.recorder.record_us((now_ns - head[1]) // 1000)
                 else:
                     received += 1
-                    lat = (now_ns - head[0]) // 1000      # latency.clamp_us, inline
+                    lat = (now_ns - head[1]) // 1000      # latency.clamp_us, inline
                     if lat < latency.LOWEST_US:
                         lat = latency.LOWEST_US
                     elif lat >= 1 << latency.RESOLUTION_BITS:
@@ -234,8 +258,9 @@ class DeliveryStream:
                         shift = lat.bit_length() - latency.RESOLUTION_BITS
                         lat = lat >> shift << shift
                     counts[lat] = counts.get(lat, 0) + 1
+                    seq = head[3] << 32 | head[0]
+                    producer = tag & PRODUCER_MASK
                     if expected is not None:              # SequenceChecker.observe, inline
-                        _, seq, producer = head
                         want = expected.get(producer, 1)
                         if seq == want:
                             expected[producer] = seq + 1
@@ -245,21 +270,33 @@ class DeliveryStream:
                         else:
                             duplicates += 1
                     else:
-                        _, seq, producer = head
                         if seq > top.get(producer, 0):
                             top[producer] = seq
                 if delay_us:
                     self.spend(delay_us)
+                if limit is not None and received + stale >= limit:
+                    break
         finally:
             self._in_content, self._body_left, self._head = in_content, body_left, head
             self.received += received
             self.stale += stale
+            self.foreign += foreign
+            if received:
+                self.last_ns = now_ns
             if self.sequence is not None:
                 self.sequence.gaps += gaps
                 self.sequence.duplicates += duplicates
         if last_deliver is not None:
             self.last_tag = frames.decode_deliver(buf, *last_deliver)[1]
         return pos
+
+    def wall_clock_latency_us(self, stamp: int) -> int | None:
+        """Latency of a message stamped with wall-clock ns (omq's default), None if it is from before
+        the run or from the future (not a time at all)."""
+        now = time.time_ns()
+        if not self.run_start_wall_ns <= stamp <= now + WALL_CLOCK_SLACK_NS:
+            return None
+        return max(0, now - stamp) // 1000
 
     def highest(self) -> dict[int, int]:
         """Producer id -> the highest sequence received from it (this run's messages only)."""
@@ -280,18 +317,22 @@ class Consumer:
         self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
                                  frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock,
                                  user=cfg.user, password=cfg.password, vhost=cfg.vhost)
-        self.client.queue_declare(self.queue, cfg.durable)
+        declare_topology(self.client, cfg, (self.queue,))
         if cfg.prefetch:
             self.client.basic_qos(cfg.prefetch)
         self.client.basic_consume(self.queue, no_ack=cfg.autoack)
         self.recorder = latency.LatencyRecorder()
         self.stream: DeliveryStream | None = None
         self.acked_tag = 0
+        self.started_ns = 0
+        self.held = False                          # the last take stopped at -D or --consumer-rate
+        self.latencies: Steps | None = None       # --variable-latency: the per-message latency in force
 
     def statistics(self) -> ConsumerStatistics:
         s = self.stream
         seq = s.sequence if s is not None else None
         return ConsumerStatistics(received=s.received if s else 0, stale=s.stale if s else 0,
+                                  foreign=s.foreign if s else 0, last_ns=s.last_ns if s else 0,
                                   gaps=seq.gaps if seq else 0, duplicates=seq.duplicates if seq else 0,
                                   acked_tag=self.acked_tag, highest=s.highest() if s else {})
 
@@ -302,22 +343,54 @@ class Consumer:
         return got
 
     def take_buffered(self) -> None:
-        """Measure the whole frames already buffered and acknowledge them (one multiple ack)."""
+        """Measure the whole frames already buffered (as many as -D and --consumer-rate allow) and
+        acknowledge them: one multiple ack per read, or per ``--multi-ack-every`` messages."""
         client = self.client
+        stream = self.stream
+        now = self.clock()
+        if self.latencies is not None:
+            stream.delay_us = self.latencies.value_at(now)
         used = 0
+        allowed = self.allowed(now)
+        before = self.taken()
         try:
-            used = self.stream.feed(client.buffer, self.clock(), client.handle_frame)
+            used = stream.feed(client.buffer, now, client.handle_frame, allowed)
         finally:
             client.discard(used)
-        if not self.cfg.autoack and self.stream.last_tag > self.acked_tag:
-            self.acked_tag = self.stream.last_tag
+        self.held = allowed is not None and self.taken() - before >= allowed   # more may wait in the buffer
+        every = self.cfg.multi_ack_every or 1
+        if not self.cfg.autoack and stream.last_tag - self.acked_tag >= every:
+            self.acked_tag = stream.last_tag
             client.send_all(frames.encode_basic_ack(CHANNEL, self.acked_tag, True))
+
+    def taken(self) -> int:
+        return self.stream.received + self.stream.stale
+
+    def allowed(self, now_ns: int) -> int | None:
+        """How many more messages may be taken now (None: any number): -D and --consumer-rate."""
+        cfg = self.cfg
+        left = None
+        if cfg.cmessages:
+            left = max(0, cfg.cmessages - self.taken())
+        if cfg.consumer_rate:
+            due = int((now_ns - self.started_ns) * cfg.consumer_rate / 1e9) + 1 - self.taken()
+            left = max(0, due) if left is None else min(left, max(0, due))
+        return left
+
+    def next_allowed_ns(self) -> int | None:
+        """With --consumer-rate, when the next message may be taken."""
+        if not self.cfg.consumer_rate:
+            return None
+        return self.started_ns + int(self.taken() * 1e9 / self.cfg.consumer_rate)
 
     def run(self, link: WorkerLink, start_ns: int) -> None:
         cfg = self.cfg
         self.stream = DeliveryStream(start_ns, self.recorder, frame_max=self.client.frame_max,
                                      check_sequence=cfg.consumers_on(self.queue) == 1,
                                      delay_us=cfg.consumer_latency_us, clock=self.clock)
+        self.started_ns = start_ns
+        if cfg.variable_latency:
+            self.latencies = Steps(cfg.variable_latency, start_ns)
         self.client.set_nonblocking()
         next_report_ns = start_ns + REPORT_INTERVAL_NS
         next_control_ns = 0
@@ -331,22 +404,36 @@ class Consumer:
             now = self.clock()
             if now >= next_report_ns:
                 next_report_ns = self.report(link, "second", start_ns, now)
+            held_back = bool(cfg.consumer_rate) and len(self.client.buffer) >= RECEIVE_CHUNK_BYTES
             try:
-                got = self.read_nowait()
+                if held_back:                        # paced: what is buffered first, the socket can wait
+                    self.take_buffered()
+                    got = 0
+                else:
+                    got = self.read_nowait()
             except WouldBlock:
                 got = 0
             if now >= next_control_ns or any(fd == control_fd for fd, _ in events):
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
                 if link.command_nowait()[0] in ("stop", "end"):
                     return
-            if got == RECEIVE_CHUNK_BYTES:       # a full read: more is probably waiting
+            if cfg.cmessages and self.taken() >= cfg.cmessages:
+                return                               # -D taken: ``finish`` reports and closes
+            if got == RECEIVE_CHUNK_BYTES and not cfg.consumer_rate:   # a full read: more is probably waiting
                 events = []
                 continue
             self.client.tick(now)
             deadline = next_report_ns
+            paced = self.next_allowed_ns()
+            if paced is not None:
+                if self.held and paced <= self.clock():
+                    events = []
+                    continue                         # the next buffered message may go now
+                deadline = min(deadline, paced)
             beat = self.client.heartbeat.next_deadline_ns()
             if beat is not None:
                 deadline = min(deadline, beat)
+            poller.modify(self.client.fileno(), 0 if held_back else select.POLLIN)
             events = poller.poll(max(0, deadline - self.clock()) / 1e6)
 
     def finish(self, link: WorkerLink, start_ns: int) -> None:

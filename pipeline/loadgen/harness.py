@@ -95,6 +95,9 @@ class LoadResult:
     errors: tuple = ()
     cpu_s: dict = field(default_factory=dict)   # worker -> CPU seconds the worker process used
     undelivered: int = 0          # copies still on their way when the drain ended
+    dropped: int = 0              # copies the queues' limits (x-max-length, x-message-ttl) may have dropped
+    skipped: int = 0              # sends the rate limiter skipped after stalls instead of bursting (``schedule``)
+    foreign: int = 0              # deliveries from another tool (PerfTest, omq)
     rejected: int = 0             # publishes the broker refused
     rejections: dict = field(default_factory=dict)   # reason -> publishes
     drain: DrainEnd | None = None
@@ -112,7 +115,7 @@ class ReportBook:
         self.workers = list(workers)
         self.latest: dict[str, dict] = {}            # worker -> latest record with stats
         self.used: dict[str, dict] = {}              # worker -> record the previous second was cut at
-        self.fresh_hist: dict[str, list[str]] = {w: [] for w in workers}
+        self.fresh_hist: dict[str, list[tuple[str, str]]] = {w: [] for w in workers}   # (kind, histogram)
         self.fresh_events: dict[str, list] = {w: [] for w in workers}
         self.totals = {"consumer": latency.new_histogram(), "confirm": latency.new_histogram()}
         self.events: dict[str, list] = {}
@@ -140,7 +143,7 @@ class ReportBook:
             self.cpu_s[worker] = record["cpu_s"]
         for kind, text in (record.get("hist") or {}).items():
             if text:
-                self.fresh_hist[worker].append(text)
+                self.fresh_hist[worker].append((kind, text))
                 self.totals[kind] = latency.merge((self.totals[kind], text))
         for at_ns, what, reason in record.get("blocked_events") or ():
             self.fresh_events[worker].append(what)
@@ -189,8 +192,8 @@ class ReportBook:
                 for name in counts:
                     counts[name] += self._stat(w, name) - self._stat(w, name, prev or {})
                 blocked[w] = bool(rec["stats"].get("blocked")) or "blocked" in self.fresh_events[w]
-            for text in self.fresh_hist[w]:
-                hists["consumer" if self.role(w) == "consumer" else "confirm"].append(text)
+            for kind, text in self.fresh_hist[w]:
+                hists[kind].append(text)
             self.fresh_hist[w] = []
             self.fresh_events[w] = []
             if rec is not prev:
@@ -249,6 +252,8 @@ class ReportBook:
             at_ns, rec = (self.window or {}).get(w, (0, None))
             if rec is not None and at_ns > self.start_ns:
                 rate += self._stat(w, name, rec) / ((at_ns - self.start_ns) / NS_PER_S)
+            elif self._stat(w, "last_ns") > self.start_ns:    # no report inside a short (-C) window
+                rate += self._stat(w, name) / ((self._stat(w, "last_ns") - self.start_ns) / NS_PER_S)
             else:
                 rate += self._stat(w, name) / fallback_s
         return rate
@@ -277,6 +282,8 @@ class ReportBook:
             latency_us=lat, histograms=hists, seconds=tuple(seconds),
             blocked_events={w: tuple(e) for w, e in self.events.items()}, errors=tuple(self.errors),
             cpu_s=dict(self.cpu_s), undelivered=accounts.undelivered, rejected=accounts.rejected,
+            dropped=accounts.dropped, skipped=self._sum("publisher", "skipped"),
+            foreign=self._sum("consumer", "foreign"),
             rejections=accounts.rejections, drain=drain,
             connections={w: st.get("connection", accounting.OPEN) for w, st in self.stats("publisher").items()})
 
@@ -519,6 +526,8 @@ def _produce(cfg: LoadConfig, workers, book: ReportBook, start_ns: int, on_secon
             break
         if all(not w.open for w in workers):
             break
+        if cfg.pmessages and cfg.producers and book.publishers_ended():
+            break                                    # every producer sent its -C messages
         wake = min(stop_ns, boundary + (0 if now < boundary else SECOND_GRACE_NS))
         _read_reports(workers, book, min(1.0, max(0, wake - now) / NS_PER_S))
     book.mark_window()

@@ -2,19 +2,28 @@
 
 Message body (``BODY_HEAD``, big-endian, then zero padding up to ``size``)::
 
-    u64 intended send time, ns of time.monotonic_ns | u64 sequence (1, 2, ...) | u32 producer id
+    u32 sequence, low bits | u64 intended send time, ns of time.monotonic_ns |
+    u32 0xCF000000 + producer id | u32 sequence, high bits
+
+The first 12 bytes are RabbitMQ PerfTest's layout (int32 sequence, int64
+``System.nanoTime``, which on Linux is the same clock as
+``time.monotonic_ns``), so PerfTest's consumers measure the latency of
+creditflow's messages and creditflow's consumers that of PerfTest's (see
+``consumer``). The tag byte 0xCF tells creditflow's own messages, which
+carry a producer id and a 64-bit sequence, from anyone else's.
 
 ``PublishTemplate`` encodes ``batch`` complete publishes (method, content
-header, body frames) back to back once; before each write only the first
-16 body bytes of each slot (time and sequence) are patched with
-``struct.pack_into``. The producer id is written once.
+header, body frames) back to back once; before each write only the 20 head
+bytes of each slot are patched, in one ``struct.pack_into``.
 
-When a message is *intended* to go out (``RateSchedule``):
+When a message is *intended* to go out (``schedule.SendSchedule``):
 - unlimited (-r unset): a batch is intended when it is composed, so the time
   it then waits for TCP back-pressure from a blocked broker is counted;
-- with a rate: message ``i`` is intended at ``start + i / rate`` whether or
-  not the socket let the publisher keep up — a stalled publisher sends its
-  backlog late and the latency shows it (no coordinated omission).
+- with a rate (or ``--variable-rate`` steps): message ``i`` is intended at
+  ``start + i / rate``; a publisher stalled longer than the schedule's
+  tolerance does not burst to catch up: it sends the first overdue message
+  (its latency shows the stall) and skips the rest (``skipped``), whose
+  latencies the consumers put back (no coordinated omission).
 
 With confirms (-c N) ``ConfirmTracker`` holds the intended time of each
 unconfirmed sequence (= the channel's delivery tag), never more than N;
@@ -44,6 +53,7 @@ open       the drain ended (the harness's "end") before close-ok; publishes
 
 from __future__ import annotations
 
+import random
 import select
 import struct
 import time
@@ -55,9 +65,12 @@ from pipeline.loadgen import latency
 from pipeline.loadgen.client import CHANNEL, AmqpClient, ServerClosed
 from pipeline.loadgen.config import BODY_HEADER_BYTES, LoadConfig
 from pipeline.loadgen.report import WorkerLink
+from pipeline.loadgen.schedule import SendSchedule, Steps
 
-BODY_HEAD = struct.Struct(">QQI")
-_TIME_SEQ = struct.Struct(">QQ")
+BODY_HEAD = struct.Struct(">IQII")
+OWN_TAG = 0xCF000000                   # the head's third word: creditflow's tag, or'd with the producer id
+PRODUCER_MASK = 0x00FFFFFF
+SEQ_LOW = 0xFFFFFFFF
 TEMPLATE_MAX_BYTES = 1024 * 1024        # a batch of big messages holds fewer of them
 NS_PER_S = 1_000_000_000
 REPORT_INTERVAL_NS = 1_000_000_000
@@ -76,61 +89,42 @@ class PublishTemplate:
         if body_bytes < BODY_HEAD.size:
             raise ValueError(f"a body of {body_bytes} bytes cannot hold the {BODY_HEAD.size}-byte header")
         body = bytearray(body_bytes)
-        BODY_HEAD.pack_into(body, 0, 0, 0, producer_id)
+        BODY_HEAD.pack_into(body, 0, 0, 0, OWN_TAG | producer_id, 0)
         one = frames.encode_publish(CHANNEL, exchange, routing_key, props_raw, bytes(body), frame_max, mandatory)
         head = frames.encode_publish(CHANNEL, exchange, routing_key, props_raw, b"", frame_max, mandatory)
         self.message_bytes = len(one)
         self.body_offset = len(head) + 7           # after the first body frame's own 7-byte head
         self.slots = max(1, min(slots, TEMPLATE_MAX_BYTES // self.message_bytes))
+        self.tag = OWN_TAG | producer_id
         self.buffer = bytearray(one * self.slots)
 
     def fill(self, first_seq: int, intended_ns: list[int]) -> memoryview:
         """Patch the first ``len(intended_ns)`` slots with sequences from ``first_seq``; their bytes."""
         buf = self.buffer
-        pack = _TIME_SEQ.pack_into
+        pack = BODY_HEAD.pack_into
+        tag = self.tag
         step = self.message_bytes
         offset = self.body_offset
         seq = first_seq
         for ts in intended_ns:
-            pack(buf, offset, ts, seq)
+            pack(buf, offset, seq & SEQ_LOW, ts, tag, seq >> 32)
             offset += step
             seq += 1
         return memoryview(buf)[:len(intended_ns) * step]
 
 
-class RateSchedule:
-    """Intended send times: ``now`` for unlimited publishing, else ``start + i / rate``."""
+def encode_head(intended_ns: int, seq: int, producer: int) -> bytes:
+    """The 20 head bytes of a creditflow message body."""
+    return BODY_HEAD.pack(seq & SEQ_LOW, intended_ns, OWN_TAG | producer, seq >> 32)
 
-    def __init__(self, rate: float | None, start_ns: int):
-        self.rate = rate
-        self.start_ns = start_ns
-        self.next_index = 0
 
-    def intended_at(self, index: int) -> int:
-        return self.start_ns + round(index * 1e9 / self.rate)
-
-    def due(self, now_ns: int, limit: int) -> list[int]:
-        """Intended times of the messages due by ``now_ns`` (at most ``limit``); they count as taken."""
-        if limit <= 0:
-            return []
-        if self.rate is None:
-            self.next_index += limit
-            return [now_ns] * limit
-        if now_ns < self.start_ns:
-            return []
-        due_total = int((now_ns - self.start_ns) * self.rate / 1e9) + 1
-        while due_total > 0 and self.intended_at(due_total - 1) > now_ns:
-            due_total -= 1                           # float rounding must never schedule early
-        count = min(limit, due_total - self.next_index)
-        if count <= 0:
-            return []
-        first = self.next_index
-        self.next_index += count
-        return [self.intended_at(i) for i in range(first, first + count)]
-
-    def next_due_ns(self) -> int | None:
-        """When the next message is due; None when publishing is unlimited."""
-        return None if self.rate is None else self.intended_at(self.next_index)
+def decode_head(body) -> tuple[int, int, int | None]:
+    """(intended ns, sequence, producer id) of a body; producer None for a body not creditflow's
+    (PerfTest's: its sequence is the int32 at the start)."""
+    seq_low, ts, tag, seq_high = BODY_HEAD.unpack_from(body)
+    if tag & ~PRODUCER_MASK != OWN_TAG:
+        return ts, seq_low, None
+    return ts, seq_high << 32 | seq_low, tag & PRODUCER_MASK
 
 
 class ConfirmTracker:
@@ -198,7 +192,21 @@ class PublisherStatistics:
     blocked_count: int
     blocked_ns: int
     connection: str = "open"      # at the end: closed, refused, failed or open (see the module's table)
-    refusal: str = ""             # refused: "<reply code> <reply text> (<channel|connection> closed)"
+    refusal: str = ""
+    skipped: int = 0              # sends the schedule skipped after stalls (never sent, see ``schedule``)
+
+
+def declare_topology(client: AmqpClient, cfg: LoadConfig, queues) -> None:
+    """Declare ``queues`` with the run's flags and arguments, and the exchange and their bindings."""
+    for q in queues:
+        client.queue_declare(q, cfg.durable, cfg.auto_delete, dict(cfg.queue_args))
+    topology = cfg.topology
+    if topology.exchange:
+        if not topology.exchange.startswith("amq."):
+            client.exchange_declare(topology.exchange, topology.exchange_type, cfg.durable)
+        for b in topology.bindings():
+            if b.queue in queues:
+                client.queue_bind(b.queue, topology.exchange, b.routing_key, b.arguments)
 
 
 class Publisher:
@@ -212,20 +220,23 @@ class Publisher:
         self.client = AmqpClient(cfg.host, cfg.port, name=f"creditflow-perf {self.name}",
                                  frame_max=cfg.frame_max, heartbeat_s=cfg.heartbeat_s, clock=clock,
                                  user=cfg.user, password=cfg.password, vhost=cfg.vhost)
-        for q in cfg.queues:
-            self.client.queue_declare(q, cfg.durable)
-        if cfg.fanout:
-            self.client.exchange_declare(cfg.exchange, "fanout", cfg.durable)
-            for q in cfg.queues:
-                self.client.queue_bind(q, cfg.exchange)
-            exchange, routing_key = cfg.exchange, ""
-        else:
-            exchange, routing_key = "", cfg.queue
+        declare_topology(self.client, cfg, cfg.queues)
         if cfg.confirm:
             self.client.confirm_select()
-        props = frames.properties_raw(delivery_mode=2 if cfg.persistent else 1)
-        self.template = PublishTemplate(cfg.batch, exchange, routing_key,
-                                        props, cfg.body_bytes, self.client.frame_max, index, cfg.mandatory)
+        route = cfg.topology.route(index)
+        props = frames.properties_raw(delivery_mode=2 if cfg.persistent else 1, headers=route.headers)
+        self.templates: dict[int, PublishTemplate] = {}
+
+        def template_for(size: int) -> PublishTemplate:
+            size = max(size, BODY_HEADER_BYTES)
+            if size not in self.templates:
+                self.templates[size] = PublishTemplate(cfg.batch, route.exchange, route.routing_key, props, size,
+                                                       self.client.frame_max, index, cfg.mandatory)
+            return self.templates[size]
+        self.template_for = template_for
+        self.template = template_for(cfg.body_bytes)
+        self.sizes: Steps | None = None          # --variable-size: the body size in force
+        self.schedule: SendSchedule | None = None
         self.recorder = latency.LatencyRecorder()
         self.confirms = ConfirmTracker(cfg.confirm, self.recorder)
         self.next_seq = 1
@@ -243,7 +254,8 @@ class Publisher:
                                    returned=self.returned, unconfirmed=len(self.confirms.pending),
                                    settled_through=self.confirms.settled_through,
                                    blocked=c.blocked, blocked_count=c.blocked_count, blocked_ns=c.blocked_ns,
-                                   connection=self.connection, refusal=self.refusal)
+                                   connection=self.connection, refusal=self.refusal,
+                                   skipped=self.schedule.skipped if self.schedule else 0)
 
     def ended(self, exc: BaseException) -> None:
         """The connection ended with ``exc``: refused by the broker (a close with a reply code) or failed."""
@@ -254,10 +266,12 @@ class Publisher:
             self.connection = "failed"
 
     # -- one step each ------------------------------------------------------------------------
-    def compose(self, schedule: RateSchedule, now_ns: int) -> bool:
+    def compose(self, schedule: SendSchedule, now_ns: int) -> bool:
         """Fill the template with the messages due now; False if none are (rate or confirm window)."""
+        if self.sizes is not None:
+            self.template = self.template_for(self.sizes.value_at(now_ns))
         room = min(self.template.slots, self.confirms.room())
-        if self.cfg.rate is None and self.cfg.confirm and room < self.template.slots:
+        if schedule.unlimited and self.cfg.confirm and room < self.template.slots:
             # a nearly full window: wait for a useful batch unless nothing else is in flight
             if room < min(self.template.slots, self.cfg.confirm) // 4 and self.confirms.pending:
                 return False
@@ -315,7 +329,11 @@ class Publisher:
         ends the window itself, so a late stop command adds nothing.
         """
         self.client.set_nonblocking()
-        schedule = RateSchedule(self.cfg.rate, start_ns)
+        cfg = self.cfg
+        delay_ns = int(random.uniform(0, cfg.start_delay_s) * NS_PER_S) if cfg.start_delay_s else 0
+        schedule = self.schedule = SendSchedule(start_ns + delay_ns, cfg.rate, cfg.variable_rate, cfg.pmessages)
+        if cfg.variable_size:
+            self.sizes = Steps(cfg.variable_size, start_ns)
         stop_ns = start_ns + int(self.cfg.duration_s * NS_PER_S)
         next_report_ns = start_ns + REPORT_INTERVAL_NS
         sock_fd = self.client.fileno()
@@ -328,9 +346,12 @@ class Publisher:
             if now >= next_report_ns:
                 next_report_ns = self.report(link, "second", start_ns, now)
             if not self.out:
+                due = schedule.next_due_ns()
+                if schedule.exhausted():
+                    return                                   # -C sent: ``finish`` settles
                 if now < stop_ns:
                     self.compose(schedule, now)
-                elif self.cfg.rate is not None and schedule.next_due_ns() < stop_ns:
+                elif due is not None and due < stop_ns:
                     self.compose(schedule, stop_ns - 1)      # the last ones due inside the window
                 else:
                     return                                   # the window is over; ``finish`` settles
@@ -348,7 +369,7 @@ class Publisher:
                 pass
             if not self.out:
                 self.client.tick(now)
-            busy = progressed and (self.out or self.cfg.rate is None)
+            busy = progressed and (self.out or schedule.unlimited)
             if not busy or now >= next_control_ns:       # busy: look at the control pipe now and then
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
                 if link.command_nowait()[0] in ("stop", "end"):
@@ -420,6 +441,12 @@ class Publisher:
         """Send one report; the instant the next one is due."""
         k = (now - start_ns) // REPORT_INTERVAL_NS - 1
         hist = {"confirm": latency.encode(self.recorder.take())} if self.cfg.confirm else {}
+        omitted = self.schedule.take_omitted() if self.schedule is not None else []
+        if omitted:                       # skipped sends count in the consumer latency (see ``schedule``)
+            waited = latency.LatencyRecorder()
+            for us, count in omitted:
+                waited.record_us(us, count)
+            hist["consumer"] = latency.encode(waited.take())
         events = [list(e) for e in self.client.take_blocked_events()]
         link.send(event, k=k, at_ns=now, cpu_s=time.process_time(), stats=asdict(self.statistics()), hist=hist,
                   blocked_events=events)
