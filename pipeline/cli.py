@@ -14,6 +14,7 @@ import sys
 import time
 
 from ipc.credit import CreditSpec, InvalidCreditSpec
+from pipeline.stress.command import add_stress_parser, cmd_stress
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -352,6 +353,7 @@ def build_parser() -> Parser:
                           "set-vhost-limits JSON: '{\"max-connections\": 100, \"max-queues\": 50}' "
                           "(negative: no limit)")
     ctl.add_argument("value", nargs="?")
+    add_stress_parser(sub)
     return parser
 
 
@@ -360,7 +362,7 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         handler = {"serve": cmd_serve, "run": cmd_run, "ctl": cmd_ctl, "demo": cmd_demo,
-                   "report": cmd_report, "sweep": cmd_sweep, "bench": cmd_bench}[args.command]
+                   "report": cmd_report, "sweep": cmd_sweep, "bench": cmd_bench, "stress": cmd_stress}[args.command]
         return handler(args)
     except UsageError as exc:
         print(str(exc).splitlines()[0], file=sys.stderr)

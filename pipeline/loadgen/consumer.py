@@ -56,6 +56,7 @@ BUSY_WAIT_BELOW_US = 1000
 FRAME_END = frames.FRAME_END
 CONTROL_POLL_BUSY_NS = 20_000_000
 OWN_MASK = ~PRODUCER_MASK & 0xFFFFFFFF
+PERFTEST_HEAD = struct.Struct(">IQ")     # PerfTest's body: int32 sequence, int64 System.nanoTime
 WALL_CLOCK_SLACK_NS = 1_000_000_000      # another machine's clock may run this far ahead
 
 
@@ -206,11 +207,13 @@ class DeliveryStream:
                     if ftype == 3 and body_left > 0:
                         if head is None and pe - ps >= head_size:
                             head = unpack_head(buf, ps)
+                        elif head is None and pe - ps >= PERFTEST_HEAD.size:     # PerfTest's 12 bytes
+                            head = PERFTEST_HEAD.unpack_from(buf, ps) + (0, 0)
                         body_left -= pe - ps
                         if body_left > 0:
                             msg_start = None             # several body frames: not a shape to learn
                             continue
-                        if shape is None and msg_start is not None and head is not None:
+                        if shape is None and msg_start is not None and head is not None and pe - ps >= head_size:
                             shape = self.shape = DeliveryShape(channel, method_len, header_len, pe - ps)
                             shape_unpack, shape_size, shape_fixed, shape_method = (
                                 shape.struct.unpack_from, shape.size, shape.fixed, shape.method_end)
