@@ -273,6 +273,11 @@ def build_parser() -> Parser:
                      help="with --uri: sample RabbitMQ's management API each second (connection, channel and "
                           "queue states, alarms) into the run's telemetry, for creditflow report")
     run.add_argument("--plain", action="store_true", help="plain lines even on a terminal")
+    run.add_argument("-o", "--output-file", default=None, metavar="FILE",
+                     help="PerfTest's CSV: a row a second (rates, latency percentiles in µs)")
+    run.add_argument("--json", default=None, metavar="FILE",
+                     help="JSON summary: lavinmqperf's fields, then where every message went and per-connection "
+                          "seconds in flow and blocked")
     t = run.add_argument_group("topology (PerfTest's flags)")
     t.add_argument("-e", "--exchange", default=None,
                    help="exchange to publish to (default: the default exchange; with several queues a fanout)")
@@ -530,6 +535,9 @@ def cmd_run(args) -> int:
         load = load_config(args)
     except InvalidLoadConfig as exc:
         raise UsageError(f"creditflow run: {exc}") from None
+    for what, path in (("-o", args.output_file), ("--json", args.json)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise UsageError(f"creditflow run: {what} {path}: no such directory")
     if args.management_uri and not args.uri:
         raise UsageError("creditflow run: --management-uri goes with --uri (a broker creditflow starts "
                          "has its own telemetry)")

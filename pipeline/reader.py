@@ -598,6 +598,7 @@ class Reader(Stage):
                 "first_publish_ns": self.first_publish_ns, "first_stop_ns": self.first_stop_ns,
                 "resumed_ns": self.resumed_ns, "first_publish_after_resume_ns": self.first_publish_after_resume_ns,
                 "deliveries": self.deliveries, "channels": len(self.channels),
+                "client_name": str(self.conn.client_properties.get("connection_name", "")),
                 "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),
                 "notices": [list(n) for n in self.state_changes[-20:]],
                 "unparsed_bytes": self.conn.buffered_bytes()}

@@ -151,6 +151,22 @@ def drain_summary(result) -> dict:
             "publishers": dict(result.connections)}
 
 
+def connection_times(result, status: dict) -> dict:
+    """Per load connection: seconds blocked by alarms (connection.blocked, as the client saw it) and
+    seconds in ``flow`` (credit flow, as the broker's reader for it recorded; None when the broker
+    is not creditflow's own). Readers are matched by the connection name the client gave."""
+    readers = {p.get("client_name"): p for p in status.get("processes", {}).values()
+               if p.get("kind") == "reader" and p.get("client_name")}
+    out = {}
+    for worker in sorted(set(result.blocked_s) | set(result.connections)):
+        reader = readers.get(f"creditflow-perf {worker}")
+        seconds = (reader or {}).get("seconds") or {}
+        out[worker] = {"blocked_s": result.blocked_s.get(worker, 0.0),
+                       "flow_s": round(seconds.get("flow", 0.0), 3) if reader else None,
+                       "running_s": round(seconds.get("running", 0.0), 3) if reader else None}
+    return out
+
+
 def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
@@ -176,7 +192,9 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
         "published": result.published, "confirmed": result.confirmed, "nacked": result.nacked,
         "returned": result.returned, "delivered": result.delivered, "undelivered": result.undelivered,
         "lost": result.lost, "dropped": result.dropped, "rejected": result.rejected, "rejections": result.rejections,
-        "skipped": result.skipped, "foreign": result.foreign,
+        "skipped": result.skipped, "foreign": result.foreign, "gaps": result.gaps, "duplicates": result.duplicates,
+        "reordered": result.reordered, "order": result.order,
+        "connections": connection_times(result, status),
         "drain": drain_summary(result), "errors": list(result.errors),
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
@@ -428,6 +446,14 @@ def outcome_lines(summary: dict) -> list[str]:
     if summary.get("skipped"):
         lines.append(f"skipped {summary['skipped']} sends: publishers stalled (blocked, flow, CPU) and the rate "
                      "limiter did not burst to catch up; their latency is in the consumer figures")
+    times = [c for c in summary.get("connections", {}).values() if c.get("flow_s") is not None]
+    if times and any(c["flow_s"] or c["blocked_s"] for c in times):
+        lines.append(f"publishing connections: {sum(c['flow_s'] for c in times):.1f} s in flow, "
+                     f"{sum(c['blocked_s'] for c in summary['connections'].values()):.1f} s blocked by alarms "
+                     f"(summed over {len(times)}; per connection in summary.json)")
+    disorder = {q: o for q, o in summary.get("order", {}).items() if any(o.values())}
+    for q, o in sorted(disorder.items()):
+        lines.append(f"order in {q}: {o['gaps']} missing, {o['duplicates']} duplicates, {o['reordered']} late")
     if summary.get("foreign"):
         lines.append(f"received {summary['foreign']} messages from another tool (PerfTest/omq layout): "
                      "latency measured, order not checked")
@@ -438,6 +464,18 @@ def outcome_lines(summary: dict) -> list[str]:
                  + f"rejected {summary['rejected']}; "
                  f"publish {summary['publish_rate']:.0f} msg/s, deliver {summary['deliver_rate']:.0f} msg/s")
     return lines
+
+
+def write_outputs(args, summary: dict, result) -> None:
+    """``-o``: PerfTest's CSV, a row a second; ``--json``: the JSON summary (``loadgen.outputs``)."""
+    from pipeline.loadgen.outputs import json_summary, perftest_csv
+    if getattr(args, "output_file", None):
+        with open(args.output_file, "w", encoding="utf-8") as f:
+            f.write(perftest_csv(result.run_id, result.seconds))
+    if getattr(args, "json", None):
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(json_summary(summary, result.window_s), f, indent=2)
+            f.write("\n")
 
 
 def run_harness(args, load: LoadConfig | None = None) -> int:
@@ -459,19 +497,20 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
                 return view.second(format_line(rep), line, {})
             try:
                 with view:
-                    summary, _ = execute_remote(load, run_dir, management_uri=args.management_uri,
-                                                on_second=each_remote_second, on_drain=view.log)
+                    summary, result = execute_remote(load, run_dir, management_uri=args.management_uri,
+                                                     on_second=each_remote_second, on_drain=view.log)
             except BrokerUnreachable as exc:
                 print(f"creditflow run: {exc}", file=sys.stderr)
                 return EXIT_NO_BROKER
         else:
             cfg = broker_config(args, run_dir, args.port)
             with view:
-                summary, _ = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
+                summary, result = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
     except WorkerFailed as exc:          # e.g. a declare the broker refused (406 inequivalent arg)
         print(f"creditflow run: the load could not start: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     print(f"run directory: {run_dir}")
+    write_outputs(args, summary, result)
     for line in outcome_lines(summary):
         print(line)
     return EXIT_LOST if summary["lost"] else 0

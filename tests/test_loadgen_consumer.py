@@ -94,12 +94,14 @@ def test_other_frames_go_to_the_caller_in_order():
     assert seen == [(8, 0), (1, 0)] and s.received == 1
 
 
-def test_gaps_and_duplicates_per_producer():
+def test_gaps_duplicates_and_late_arrivals_per_producer():
     s, _ = stream()
     order = [(0, 1), (1, 1), (0, 2), (0, 5), (1, 2), (0, 5), (0, 3), (1, 3)]
     data = b"".join(deliver(i + 1, body(START_NS, seq, producer)) for i, (producer, seq) in enumerate(order))
     feed_all(s, data, START_NS)
-    assert (s.sequence.gaps, s.sequence.duplicates, s.received) == (2, 2, 8)
+    # producer 0: 3 and 4 skipped, 5 twice, then 3 late: 4 is still missing
+    seq = s.sequence
+    assert (seq.gaps, seq.duplicates, seq.reordered, s.received) == (1, 1, 1, 8)
 
 
 def test_sequence_checker_alone():
@@ -107,6 +109,9 @@ def test_sequence_checker_alone():
     for seq in (1, 2, 3, 7, 8, 8, 2):
         c.observe(9, seq)
     assert (c.gaps, c.duplicates, c.expected) == (3, 2, {9: 9})
+    for seq in (5, 5, 4, 6):                     # 5 closes the middle of the gap 4..6, then the rest
+        c.observe(9, seq)
+    assert (c.gaps, c.duplicates, c.reordered, c.missing[9]) == (0, 3, 3, [])
 
 
 def test_competing_consumers_skip_the_order_check():

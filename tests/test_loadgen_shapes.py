@@ -190,3 +190,38 @@ def test_creditflow_consumers_measure_messages_in_perftests_layout(broker):
     assert r.delivered == 40 and r.foreign == 40 and r.stale == 0
     lat = r.latency_us["consumer"]
     assert lat["count"] == 40 and 0 < lat["max"] < 2_000_000                   # µs, from the PerfTest stamps
+
+
+# -- outputs ------------------------------------------------------------------------------------
+PERFTEST_CSV_HEADER = ("id,time (s),published (msg/s),returned (msg/s),confirmed (msg/s),nacked (msg/s),"
+                       "received (msg/s),min consumer latency (µs),median consumer latency (µs),"
+                       "75th p. consumer latency (µs),95th p. consumer latency (µs),99th p. consumer latency (µs),"
+                       "min confirm latency (µs),median confirm latency (µs),75th p. confirm latency (µs),"
+                       "95th p. confirm latency (µs),99th p. confirm latency (µs)")
+
+
+@pytest.mark.processes
+@pytest.mark.timeout(120)
+def test_a_cli_run_writes_perftests_csv_and_a_json_summary(tmp_path):
+    import csv
+    import json
+    out_csv, out_json = tmp_path / "perf.csv", tmp_path / "summary.json"
+    done = subprocess.run(creditflow_cmd("run", "-x", "2", "-y", "2", "-r", "300", "-c", "50", "-z", "3",
+                                         "--queue-pattern", "perf-%d", "--queue-pattern-to", "2", "--plain",
+                                         "--run-dir", str(tmp_path / "run"), "-o", str(out_csv),
+                                         "--json", str(out_json)),
+                          capture_output=True, text=True, cwd=ROOT, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = out_csv.read_text(encoding="utf-8").splitlines()
+    assert lines[0] == PERFTEST_CSV_HEADER
+    rows = list(csv.reader(lines[1:]))
+    assert len(rows) == 3 and all(590 <= int(r[2]) <= 610 for r in rows)          # 2 x 300 msg/s, each second
+    assert all(int(r[7]) <= int(r[8]) <= int(r[11]) for r in rows)                 # min <= median <= p99
+    j = json.loads(out_json.read_text())
+    assert list(j)[:3] == ["elapsed_seconds", "avg_pub_rate", "avg_consume_rate"]  # lavinmqperf's, first
+    assert j["published"] == j["delivered"] == 1800 and j["lost"] == 0 and j["latency_count"] == 1800
+    assert set(j["order"]) == {"perf-1", "perf-2"}
+    assert all(o == {"gaps": 0, "duplicates": 0, "reordered": 0} for o in j["order"].values())
+    conns = j["connections"]
+    assert set(conns) == {"publisher-0", "publisher-1"}
+    assert all(c["flow_s"] is not None and c["running_s"] > 0 and c["blocked_s"] == 0 for c in conns.values())

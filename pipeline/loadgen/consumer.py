@@ -19,8 +19,9 @@ Measurements, per complete message:
   earlier run) or with a body too short for the header are counted as
   ``stale`` and not measured;
 - ``SequenceChecker``: per producer, a sequence above the next expected one
-  counts the skipped ones as ``gaps``, one below it as a ``duplicate``. It
-  only makes sense when this consumer is its queue's only consumer;
+  opens a gap, one below it closes a gap (``reordered``) or is a
+  ``duplicate``. It only makes sense when this consumer is its queue's only
+  consumer;
 - the highest sequence received from each producer (``highest``): the broker
   reads a connection's publishes in order, so every publish up to it was
   read. The harness counts what came after it as still on its way when a
@@ -71,36 +72,66 @@ def spend_us(us: int) -> None:
 
 
 class SequenceChecker:
-    """Per-producer order check: counts skipped sequences (gaps) and repeats (duplicates)."""
+    """Per-producer order check (omq's --detect-gaps-in-messages, RabbitTestTool's model): a sequence
+    above the next expected one opens a gap of the skipped ones; one below it is a late arrival
+    (``reordered``, and its gap closes) if it was missing, else a ``duplicate``. ``gaps`` is what
+    is still missing. Memory grows with the gaps, not with the messages."""
 
-    __slots__ = ("expected", "gaps", "duplicates")
+    __slots__ = ("expected", "gaps", "duplicates", "reordered", "missing")
 
     def __init__(self) -> None:
         self.expected: dict[int, int] = {}
         self.gaps = 0
         self.duplicates = 0
+        self.reordered = 0
+        self.missing: dict[int, list[list[int]]] = {}     # producer -> [[first, last], ...] not yet seen
 
     def observe(self, producer: int, seq: int) -> None:
         expected = self.expected.get(producer, 1)
         if seq == expected:
             self.expected[producer] = seq + 1
         elif seq > expected:
-            self.gaps += seq - expected
+            self.skipped(producer, expected, seq)
             self.expected[producer] = seq + 1
         else:
-            self.duplicates += 1
+            self.behind(producer, seq)
+
+    def skipped(self, producer: int, expected: int, seq: int) -> None:
+        """``seq`` came where ``expected`` was due: ``expected .. seq - 1`` are missing."""
+        self.gaps += seq - expected
+        self.missing.setdefault(producer, []).append([expected, seq - 1])
+
+    def behind(self, producer: int, seq: int) -> None:
+        """``seq`` is below the next expected one: late if it was missing, else seen before."""
+        for gap in self.missing.get(producer, ()):
+            first, last = gap
+            if first <= seq <= last:
+                self.reordered += 1
+                self.gaps -= 1
+                if first == last:
+                    self.missing[producer].remove(gap)
+                elif seq == first:
+                    gap[0] += 1
+                elif seq == last:
+                    gap[1] -= 1
+                else:
+                    gap[1] = seq - 1
+                    self.missing[producer].append([seq + 1, last])
+                return
+        self.duplicates += 1
 
 
 @dataclass(frozen=True)
 class ConsumerStatistics:
     received: int                 # messages of this run, completely received
     stale: int                    # messages from before this run, or without a time to measure
-    gaps: int
+    gaps: int                     # sequences still missing (see ``SequenceChecker``)
     duplicates: int
     acked_tag: int                # highest delivery tag acknowledged
     highest: dict                 # producer id -> highest sequence received from it
     foreign: int = 0              # messages of this run from another tool (PerfTest, omq): measured, not checked
     last_ns: int = 0              # when the last message was taken (monotonic ns)
+    reordered: int = 0            # sequences that came after a later one (a gap that closed)
 
 
 class DeliveryShape:
@@ -183,7 +214,7 @@ class DeliveryStream:
                                                                    shape.fixed, shape.method_end)
         msg_start = None                 # where the message being assembled began, if in this buffer
         method_len = header_len = 0
-        received = stale = gaps = duplicates = foreign = 0
+        received = stale = foreign = 0
         size = len(buf)
         pos = 0
         last_deliver = None
@@ -268,10 +299,10 @@ class DeliveryStream:
                         if seq == want:
                             expected[producer] = seq + 1
                         elif seq > want:
-                            gaps += seq - want
+                            self.sequence.skipped(producer, want, seq)
                             expected[producer] = seq + 1
                         else:
-                            duplicates += 1
+                            self.sequence.behind(producer, seq)
                     else:
                         if seq > top.get(producer, 0):
                             top[producer] = seq
@@ -286,9 +317,6 @@ class DeliveryStream:
             self.foreign += foreign
             if received:
                 self.last_ns = now_ns
-            if self.sequence is not None:
-                self.sequence.gaps += gaps
-                self.sequence.duplicates += duplicates
         if last_deliver is not None:
             self.last_tag = frames.decode_deliver(buf, *last_deliver)[1]
         return pos
@@ -337,6 +365,7 @@ class Consumer:
         return ConsumerStatistics(received=s.received if s else 0, stale=s.stale if s else 0,
                                   foreign=s.foreign if s else 0, last_ns=s.last_ns if s else 0,
                                   gaps=seq.gaps if seq else 0, duplicates=seq.duplicates if seq else 0,
+                                  reordered=seq.reordered if seq else 0,
                                   acked_tag=self.acked_tag, highest=s.highest() if s else {})
 
     def read_nowait(self) -> int:

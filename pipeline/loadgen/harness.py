@@ -102,6 +102,9 @@ class LoadResult:
     rejections: dict = field(default_factory=dict)   # reason -> publishes
     drain: DrainEnd | None = None
     connections: dict = field(default_factory=dict)  # publisher -> how its connection ended (accounting.CLOSED, ...)
+    blocked_s: dict = field(default_factory=dict)    # publisher -> seconds its connection was blocked (connection.blocked)
+    reordered: int = 0            # deliveries that came after a later sequence of their producer
+    order: dict = field(default_factory=dict)        # queue -> {"gaps", "duplicates", "reordered"}, where checked
 
 
 # -- the pure part ---------------------------------------------------------------------------
@@ -285,7 +288,19 @@ class ReportBook:
             dropped=accounts.dropped, skipped=self._sum("publisher", "skipped"),
             foreign=self._sum("consumer", "foreign"),
             rejections=accounts.rejections, drain=drain,
-            connections={w: st.get("connection", accounting.OPEN) for w, st in self.stats("publisher").items()})
+            connections={w: st.get("connection", accounting.OPEN) for w, st in self.stats("publisher").items()},
+            blocked_s={w: round(st.get("blocked_ns", 0) / NS_PER_S, 3) for w, st in self.stats("publisher").items()},
+            reordered=self._sum("consumer", "reordered"), order=self.order_by_queue())
+
+    def order_by_queue(self) -> dict:
+        """Gaps, duplicates and late arrivals per queue, for queues with one consumer (only there does
+        one process see each producer's whole sequence)."""
+        out: dict[str, dict] = {}
+        for w, st in self.stats("consumer").items():
+            q = self.cfg.consumer_queue(int(w.rsplit("-", 1)[1]))
+            if self.cfg.consumers_on(q) == 1:
+                out[q] = {k: st.get(k, 0) for k in ("gaps", "duplicates", "reordered")}
+        return out
 
 
 # -- processes -------------------------------------------------------------------------------
