@@ -311,6 +311,10 @@ def build_parser() -> Parser:
                        metavar="SECONDS", help="each producer starts after a random delay up to SECONDS")
     shape.add_argument("-R", "--consumer-rate", type=rate_arg, default=None,
                        help="msg/s each consumer takes at most (default unlimited)")
+    shape.add_argument("--max-rate", action="store_true",
+                       help="search for the maximum sustainable rate (OpenMessaging Benchmark's way): from -r "
+                            "(default 10000 msg/s in all) the rate rises every 2 s while backlogs stay under "
+                            "1,000 and falls when they grow; for -z seconds, then the rate found")
     add_broker_options(run)
 
     demo = sub.add_parser("demo", help="reproduce a memory alarm: publishers blocked, consumer drains, alarm clears")
@@ -535,6 +539,15 @@ def cmd_run(args) -> int:
         load = load_config(args)
     except InvalidLoadConfig as exc:
         raise UsageError(f"creditflow run: {exc}") from None
+    if args.max_rate:
+        if args.variable_rate or args.pmessages:
+            raise UsageError("creditflow run: --max-rate sets the rate itself: no --variable-rate or -C")
+        if not load.producers or not load.consumers:
+            raise UsageError("creditflow run: --max-rate needs publishers and consumers (-x, -y)")
+        if load.rate is None:
+            from dataclasses import replace
+            from pipeline.loadgen.maxrate import INITIAL_RATE
+            load = replace(load, rate=INITIAL_RATE / load.producers)
     for what, path in (("-o", args.output_file), ("--json", args.json)):
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise UsageError(f"creditflow run: {what} {path}: no such directory")

@@ -167,7 +167,16 @@ def connection_times(result, status: dict) -> dict:
     return out
 
 
-def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
+def max_rate_summary(search) -> dict:
+    """The max-rate search's answer and every period it judged (``loadgen.maxrate``)."""
+    return {"found": None if search.found is None else round(search.found, 1),
+            "period_s": search.period_s,
+            "periods": [{"rate": round(p.rate, 1), "sent_rate": round(p.sent_rate, 1),
+                         "received_rate": round(p.received_rate, 1), "receive_backlog": p.receive_backlog,
+                         "publish_backlog": p.publish_backlog, "sustained": p.sustained} for p in search.periods]}
+
+
+def summarize(result, status: dict, config: dict, wall_s: float, search=None) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
         seconds = p.get("seconds") or {}
@@ -199,6 +208,7 @@ def summarize(result, status: dict, config: dict, wall_s: float) -> dict:
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
         "deaths": status.get("deaths", []), "wall_seconds": round(wall_s, 3), "config": config,
+        **({"max_rate": max_rate_summary(search)} if search is not None else {}),
     }
 
 
@@ -271,7 +281,7 @@ def shown_config(load: LoadConfig) -> dict:
 
 
 def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None = None, on_second=None,
-                   on_drain=None, extra: dict | None = None):
+                   on_drain=None, extra: dict | None = None, search=None):
     """Run ``load`` against the broker it names (``--uri``): nothing is started but the load's own
     processes. The run directory holds config.json, seconds.jsonl and summary.json, as with a broker
     of our own; with ``management_uri`` (a RabbitMQ's management API) its connections', channels' and
@@ -344,19 +354,20 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
             on_drain(drain_line(elapsed_s, delivered, expected, shown))
 
     try:
-        result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second)
+        result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second, search=search)
         sample(last=True)
     finally:
         seconds.close()
         if recorder is not None:
             recorder.close({"management": sampler.base})
-    summary = summarize(result, {}, config, time.monotonic() - started)
+    summary = summarize(result, {}, config, time.monotonic() - started, search)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary, result
 
 
-def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=None, extra: dict | None = None):
+def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=None, extra: dict | None = None,
+            search=None):
     """Start a broker on ``cfg.data_dir``, run load against it, stop it, and leave the run directory.
 
     ``load`` is the LoadConfig (its port becomes the broker's), or ``make_load(port)`` building
@@ -402,7 +413,7 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
                 if on_drain is not None:
                     on_drain(drain_line(elapsed_s, delivered, expected, depths))
 
-            result = run_load(load, on_second=each_second, broker=view, on_drain=each_drain_second)
+            result = run_load(load, on_second=each_second, broker=view, on_drain=each_drain_second, search=search)
             final = ctl.request("status")
         seconds.close()
         for line in tail.new_lines():
@@ -410,7 +421,7 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
                 on_log(line)
     finally:
         code = stop_broker(pid, run_dir)
-    summary = summarize(result, final, config, time.monotonic() - started)
+    summary = summarize(result, final, config, time.monotonic() - started, search)
     summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
@@ -466,6 +477,17 @@ def outcome_lines(summary: dict) -> list[str]:
     return lines
 
 
+def max_rate_line(found: dict, producers: int) -> str:
+    periods = found["periods"]
+    if found["found"] is None:
+        return (f"max sustainable rate: not found ({len(periods)} periods of {found['period_s']} s, none held; "
+                "run longer with -z, or start lower with -r)")
+    held = sum(p["sustained"] for p in periods)
+    return (f"max sustainable rate: {found['found']:,.0f} msg/s ({producers} publisher(s) together; the highest "
+            f"rate held for a whole {found['period_s']} s period with both backlogs under 1,000; {held} of "
+            f"{len(periods)} periods held)")
+
+
 def write_outputs(args, summary: dict, result) -> None:
     """``-o``: PerfTest's CSV, a row a second; ``--json``: the JSON summary (``loadgen.outputs``)."""
     from pipeline.loadgen.outputs import json_summary, perftest_csv
@@ -489,6 +511,11 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
     run_dir = os.path.abspath(args.run_dir or default_run_dir())
     view = View(plain=args.plain)
 
+    search = None
+    if getattr(args, "max_rate", False):
+        from pipeline.loadgen.maxrate import RateSearch
+        search = RateSearch(load.rate * load.producers, load.copies_consumed)
+
     def each_second(rep, status, ctl):
         return view.second(format_line(rep), states_line(status), status)
     try:
@@ -498,14 +525,16 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
             try:
                 with view:
                     summary, result = execute_remote(load, run_dir, management_uri=args.management_uri,
-                                                     on_second=each_remote_second, on_drain=view.log)
+                                                     on_second=each_remote_second, on_drain=view.log,
+                                                     search=search)
             except BrokerUnreachable as exc:
                 print(f"creditflow run: {exc}", file=sys.stderr)
                 return EXIT_NO_BROKER
         else:
             cfg = broker_config(args, run_dir, args.port)
             with view:
-                summary, result = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log)
+                summary, result = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log,
+                                          search=search)
     except WorkerFailed as exc:          # e.g. a declare the broker refused (406 inequivalent arg)
         print(f"creditflow run: the load could not start: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
@@ -513,4 +542,6 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
     write_outputs(args, summary, result)
     for line in outcome_lines(summary):
         print(line)
+    if search is not None:
+        print(max_rate_line(summary["max_rate"], load.producers))
     return EXIT_LOST if summary["lost"] else 0

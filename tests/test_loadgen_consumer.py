@@ -188,3 +188,23 @@ def test_any_mix_of_shapes_and_cuts_counts_every_message(kinds, cuts):
     assert not buf
     assert (s.received, s.last_tag, s.sequence.gaps, s.sequence.duplicates) == (len(kinds), len(kinds), 0, 0)
     assert rec.take().get_total_count() == len(kinds)
+
+
+def test_bodies_of_other_tools_are_measured_on_their_clock_and_not_order_checked():
+    """PerfTest's 12 bytes (int32 sequence, int64 System.nanoTime = our monotonic clock) and omq's
+    (1234, then wall-clock UnixNano): both measured, counted as foreign; a wall-clock stamp from
+    before the run is stale."""
+    import struct
+    import time
+    now = time.monotonic_ns()
+    s, rec = stream()
+    s.run_start_ns = now - 1_000_000_000
+    s.run_start_wall_ns = time.time_ns() - 1_000_000_000
+    perftest = struct.pack(">iq", 7, now - 30_000_000)                    # 30 ms ago, monotonic
+    omq = struct.pack(">iq", 1234, time.time_ns() - 50_000_000) + bytes(20)  # 50 ms ago, wall clock
+    old = struct.pack(">iq", 1234, time.time_ns() - 5_000_000_000)         # before the run
+    feed_all(s, deliver(1, perftest) + deliver(2, omq) + deliver(3, old), now)
+    assert (s.received, s.foreign, s.stale) == (2, 2, 1)
+    lat = latency.percentiles(rec.take())
+    assert 29_000 <= lat["min"] <= 31_000 and 49_000 <= lat["max"] <= 60_000
+    assert (s.sequence.gaps, s.sequence.duplicates) == (0, 0)

@@ -143,6 +143,19 @@ def test_variable_rate_steps_repeat_in_turn_and_a_zero_rate_pauses():
     assert s.skipped == 0
 
 
+def test_a_message_limit_counts_sent_messages_not_skipped_ones():
+    s = SendSchedule(0, 1000, limit=1000)
+    sent = len(s.due(0, 64)) + len(s.due(500_000_000, 64))                # a half-second stall
+    sent += sum(len(s.due(500_000_000 + t * 1_000_000, 64)) for t in range(1, 2000))
+    assert sent == 1000 and s.skipped == 498 and s.exhausted()
+
+
+def test_a_start_delay_holds_back_unlimited_publishing_too():
+    s = SendSchedule(5_000_000_000)
+    assert s.due(0, 64) == [] and s.next_due_ns() == 5_000_000_000
+    assert len(s.due(5_000_000_000, 64)) == 64 and s.next_due_ns() is None
+
+
 def test_a_message_limit_ends_the_schedule():
     s = SendSchedule(0, limit=5)                                # unlimited rate, -C 5
     assert s.due(0, 3) == [0, 0, 0] and s.due(1, 64) == [1, 1]

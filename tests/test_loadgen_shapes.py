@@ -54,6 +54,9 @@ def test_defaults_resolve_as_before_and_as_perftest():
     assert LoadConfig().topology == Topology("", DEFAULT, ("creditflow-perf",))
     assert LoadConfig(queues=("a", "b")).topology.exchange_type == FANOUT           # the bench's fan-out
     assert LoadConfig(exchange="ex").topology.exchange_type == DIRECT               # PerfTest's -t default
+    assert LoadConfig(routing_key="k").topology == Topology("creditflow-perf-direct", DIRECT, ("creditflow-perf",), "k")
+    assert LoadConfig(queue_args=(("x-max-length", 5), ("x-overflow", "reject-publish"))).queues_may_drop
+    assert not LoadConfig(confirm=10, queue_args=(("x-max-length", 5), ("x-overflow", "reject-publish"))).queues_may_drop
     assert LoadConfig(exchange_type=TOPIC, queues=("a", "b")).topology.exchange == "creditflow-perf-topic"
 
 
@@ -65,6 +68,7 @@ def test_defaults_resolve_as_before_and_as_perftest():
     (dict(variable_size=((100, 0),)), "SECONDS above 0"),
     (dict(consumer_rate=0), "positive"),
     (dict(exchange_type="nope"), "one of direct"),
+    (dict(variable_rate=((0, 5.0),)), "all 0 msg/s"),
 ])
 def test_options_that_cannot_work_are_refused(kwargs, says):
     with pytest.raises(InvalidLoadConfig, match=says):
@@ -127,7 +131,7 @@ def test_queue_patterns_spread_producers_and_a_key_or_fanout_copies_to_all(broke
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_mandatory_is_really_set_and_queue_limits_reject_or_drop(broker):
-    unroutable = run_load(LoadConfig(port=broker.port, producers=1, consumers=0, routing_key="nowhere",
+    unroutable = run_load(LoadConfig(port=broker.port, producers=1, consumers=0, exchange="", routing_key="nowhere",
                                      mandatory=True, pmessages=50, duration_s=5))
     assert unroutable.returned == 50 and unroutable.rejections == {"returned unroutable": 50}
 
@@ -161,6 +165,13 @@ def test_message_counts_and_a_consumer_rate_limit_hold(broker):
     assert paced.delivered <= 100 * took + 1                           # never faster than 100 msg/s
     assert paced.delivered >= 100 * 2                                  # and it did consume at that rate
     assert paced.lost == 0 and paced.undelivered == 800 - paced.delivered
+    assert paced.cpu_s["consumer-0"] < took / 4                         # waits for its turn, does not spin
+
+    acked = run_load(LoadConfig(port=broker.port, producers=1, consumers=1, queue="acked-in-30s", pmessages=100,
+                                multi_ack_every=30, prefetch=60, duration_s=5))
+    assert acked.delivered == 100
+    q = broker.status()["processes"]["queue-acked-in-30s"]
+    assert (q["messages"], q["unacked"]) == (0, 0)                     # the last 10 were acknowledged too
 
 
 @pytest.mark.processes
@@ -187,7 +198,7 @@ def test_creditflow_consumers_measure_messages_in_perftests_layout(broker):
     t.join(30)
     pub.close()
     r = results["r"]
-    assert r.delivered == 40 and r.foreign == 40 and r.stale == 0
+    assert r.delivered == 0 and r.foreign == 40 and r.stale == 0       # received, but not this run's publishes
     lat = r.latency_us["consumer"]
     assert lat["count"] == 40 and 0 < lat["max"] < 2_000_000                   # µs, from the PerfTest stamps
 

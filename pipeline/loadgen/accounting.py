@@ -132,7 +132,7 @@ def account(cfg: LoadConfig, publishers: dict, consumers: dict, drain: DrainEnd 
     highest: dict[str, dict[str, int]] = {q: {} for q in queues}      # queue -> producer id -> sequence
     delivered = 0
     for name, stats in consumers.items():
-        delivered += stats.get("received", 0)
+        delivered += stats.get("received", 0) - stats.get("foreign", 0)      # another tool's are not ours
         q = cfg.consumer_queue(int(name.rsplit("-", 1)[1]))
         top = highest.setdefault(q, {})
         for producer, seq in (stats.get("highest") or {}).items():

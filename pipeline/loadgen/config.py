@@ -178,6 +178,8 @@ class LoadConfig:
                     raise InvalidLoadConfig(f"{what} steps must be VALUE:SECONDS with SECONDS above 0, got {step!r}")
         for size, _ in self.variable_size:
             _int("--variable-size bytes", size, 0, MAX_BODY_BYTES)
+        if self.variable_rate and not any(rate for rate, _ in self.variable_rate):
+            raise InvalidLoadConfig("--variable-rate steps are all 0 msg/s: nothing would be published")
         if self.variable_rate and self.rate is not None:
             raise InvalidLoadConfig("-r and --variable-rate both set the rate: give one")
         if self.variable_latency and self.consumer_latency_us:
@@ -209,7 +211,9 @@ class LoadConfig:
     def topology(self) -> Topology:
         """Exchange, bindings and routes (see ``topology``), with the defaults resolved."""
         kind, name = self.exchange_type, self.exchange
-        if name is None and kind is None:
+        if name is None and kind is None and self.routing_key is not None:
+            name, kind = "creditflow-perf-direct", DIRECT     # PerfTest: -k binds the queues with it
+        elif name is None and kind is None:
             name, kind = ("", DEFAULT) if len(self.queues) == 1 else ("creditflow-perf-fanout", FANOUT)
         elif name is None:
             name = f"creditflow-perf-{kind}"
@@ -233,7 +237,11 @@ class LoadConfig:
         """Why the queues may drop accepted messages by design ("" when they may not): a length limit
         that drops the head (RabbitMQ's default overflow) or a message TTL."""
         args = dict(self.queue_args)
-        if args.get("x-overflow", "drop-head") == "drop-head":
+        overflow = args.get("x-overflow", "drop-head")
+        if overflow in ("reject-publish", "reject-publish-dlx") and not self.confirm and (
+                "x-max-length" in args or "x-max-length-bytes" in args):
+            return f"x-overflow={overflow} without confirms (-c): the broker drops what it refuses"
+        if overflow == "drop-head":
             for limit in ("x-max-length", "x-max-length-bytes"):
                 if limit in args:
                     return f"{limit}={args[limit]} (drop-head)"

@@ -57,6 +57,7 @@ BUSY_WAIT_BELOW_US = 1000
 FRAME_END = frames.FRAME_END
 CONTROL_POLL_BUSY_NS = 20_000_000
 OWN_MASK = ~PRODUCER_MASK & 0xFFFFFFFF
+PACE_BURST_NS = 100_000_000             # --consumer-rate: credit saved up while idle, at most this long's worth
 PERFTEST_HEAD = struct.Struct(">IQ")     # PerfTest's body: int32 sequence, int64 System.nanoTime
 WALL_CLOCK_SLACK_NS = 1_000_000_000      # another machine's clock may run this far ahead
 
@@ -268,19 +269,14 @@ class DeliveryStream:
                     now_ns = self.clock()
                 if head is None or head[1] < run_start_ns:
                     stale += 1
-                    if head is not None and head[1] > now_ns:
-                        stale -= 1                        # not a monotonic time: another tool's wall clock
-                        lat = self.wall_clock_latency_us(head[1])
-                        if lat is None:
-                            stale += 1
-                        else:
-                            received += 1
-                            foreign += 1
-                            self.recorder.record_us(lat)
-                elif (tag := head[2]) & OWN_MASK != OWN_TAG:      # PerfTest's (its int32 sequence unchecked)
-                    received += 1
-                    foreign += 1
-                    self.recorder.record_us((now_ns - head[1]) // 1000)
+                elif (tag := head[2]) & OWN_MASK != OWN_TAG:      # another tool's: measured, order unchecked
+                    lat = (now_ns - head[1]) // 1000 if head[1] <= now_ns else self.wall_clock_latency_us(head[1])
+                    if lat is None:
+                        stale += 1                        # a wall-clock stamp from before the run
+                    else:
+                        received += 1
+                        foreign += 1
+                        self.recorder.record_us(lat)
                 else:
                     received += 1
                     lat = (now_ns - head[1]) // 1000      # latency.clamp_us, inline
@@ -357,6 +353,7 @@ class Consumer:
         self.acked_tag = 0
         self.started_ns = 0
         self.held = False                          # the last take stopped at -D or --consumer-rate
+        self.pace_ns = 0                           # --consumer-rate: when the next message may be taken
         self.latencies: Steps | None = None       # --variable-latency: the per-message latency in force
 
     def statistics(self) -> ConsumerStatistics:
@@ -390,6 +387,7 @@ class Consumer:
         finally:
             client.discard(used)
         self.held = allowed is not None and self.taken() - before >= allowed   # more may wait in the buffer
+        self.paced(self.taken() - before)
         every = self.cfg.multi_ack_every or 1
         if not self.cfg.autoack and stream.last_tag - self.acked_tag >= every:
             self.acked_tag = stream.last_tag
@@ -399,28 +397,35 @@ class Consumer:
         return self.stream.received + self.stream.stale
 
     def allowed(self, now_ns: int) -> int | None:
-        """How many more messages may be taken now (None: any number): -D and --consumer-rate."""
+        """How many more messages may be taken now (None: any number): -D and --consumer-rate, whose
+        credit after an idle spell is at most ``PACE_BURST_NS`` worth (a rate, not a catch-up)."""
         cfg = self.cfg
         left = None
         if cfg.cmessages:
             left = max(0, cfg.cmessages - self.taken())
         if cfg.consumer_rate:
-            due = int((now_ns - self.started_ns) * cfg.consumer_rate / 1e9) + 1 - self.taken()
-            left = max(0, due) if left is None else min(left, max(0, due))
+            self.pace_ns = max(self.pace_ns, now_ns - PACE_BURST_NS)
+            due = 0 if now_ns < self.pace_ns else int((now_ns - self.pace_ns) * cfg.consumer_rate / 1e9) + 1
+            left = due if left is None else min(left, due)
         return left
 
-    def next_allowed_ns(self) -> int | None:
-        """With --consumer-rate, when the next message may be taken."""
-        if not self.cfg.consumer_rate:
-            return None
-        return self.started_ns + int(self.taken() * 1e9 / self.cfg.consumer_rate)
+    def paced(self, taken: int) -> None:
+        """``taken`` messages went under --consumer-rate: the next may go that many intervals later."""
+        if self.cfg.consumer_rate and taken:
+            self.pace_ns += round(taken * 1e9 / self.cfg.consumer_rate)
+
+    def flush_ack(self) -> None:
+        """Acknowledge what was taken and not yet acknowledged (-A leaves up to N-1 behind)."""
+        if not self.cfg.autoack and self.stream is not None and self.stream.last_tag > self.acked_tag:
+            self.acked_tag = self.stream.last_tag
+            self.client.send_all(frames.encode_basic_ack(CHANNEL, self.acked_tag, True))
 
     def run(self, link: WorkerLink, start_ns: int) -> None:
         cfg = self.cfg
         self.stream = DeliveryStream(start_ns, self.recorder, frame_max=self.client.frame_max,
                                      check_sequence=cfg.consumers_on(self.queue) == 1,
                                      delay_us=cfg.consumer_latency_us, clock=self.clock)
-        self.started_ns = start_ns
+        self.started_ns = self.pace_ns = start_ns
         if cfg.variable_latency:
             self.latencies = Steps(cfg.variable_latency, start_ns)
         self.client.set_nonblocking()
@@ -445,23 +450,27 @@ class Consumer:
                     got = self.read_nowait()
             except WouldBlock:
                 got = 0
+                if self.held:                        # nothing new, but buffered messages whose turn came
+                    self.take_buffered()
             if now >= next_control_ns or any(fd == control_fd for fd, _ in events):
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
                 if link.command_nowait()[0] in ("stop", "end"):
                     return
             if cfg.cmessages and self.taken() >= cfg.cmessages:
+                self.flush_ack()
                 return                               # -D taken: ``finish`` reports and closes
             if got == RECEIVE_CHUNK_BYTES and not cfg.consumer_rate:   # a full read: more is probably waiting
                 events = []
                 continue
+            if held_back:
+                self.client.heartbeat.received(now)  # unread bytes wait: the broker is alive
             self.client.tick(now)
             deadline = next_report_ns
-            paced = self.next_allowed_ns()
-            if paced is not None:
-                if self.held and paced <= self.clock():
+            if self.held and cfg.consumer_rate:      # buffered messages wait for their turn
+                if self.pace_ns <= self.clock():
                     events = []
-                    continue                         # the next buffered message may go now
-                deadline = min(deadline, paced)
+                    continue
+                deadline = min(deadline, self.pace_ns)
             beat = self.client.heartbeat.next_deadline_ns()
             if beat is not None:
                 deadline = min(deadline, beat)
@@ -469,6 +478,7 @@ class Consumer:
             events = poller.poll(max(0, deadline - self.clock()) / 1e6)
 
     def finish(self, link: WorkerLink, start_ns: int) -> None:
+        self.flush_ack()
         self.report(link, "final", start_ns, self.clock())
         self.client.close()
 

@@ -39,7 +39,7 @@ from pipeline.loadgen.client import ClientError
 from pipeline.loadgen.config import LoadConfig
 from pipeline.loadgen.consumer import Consumer
 from pipeline.loadgen.publisher import Publisher
-from pipeline.loadgen.report import WorkerLink, decode_records, encode_end, encode_start, encode_stop
+from pipeline.loadgen.report import WorkerLink, decode_records, encode_end, encode_rate, encode_start, encode_stop
 
 NS_PER_S = 1_000_000_000
 READY_TIMEOUT_S = 30.0
@@ -226,7 +226,8 @@ class ReportBook:
 
     @property
     def delivered(self) -> int:
-        return self._sum("consumer", "received")
+        """Copies of this run's publishes received (another tool's messages are not counted)."""
+        return self._sum("consumer", "received") - self._sum("consumer", "foreign")
 
     def stats(self, role: str) -> dict[str, dict]:
         """Worker -> its latest statistics, for one role."""
@@ -482,7 +483,7 @@ def _run_id() -> str:
     return f"test-{time.strftime('%H%M%S', time.localtime(now))}-{int(now * 1000) % 1000:03d}"
 
 
-def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None) -> LoadResult:
+def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None, search=None) -> LoadResult:
     """Run ``cfg``'s load against the broker at ``cfg.host:cfg.port``.
 
     ``on_second(SecondReport)`` is called once a second of the producing
@@ -490,7 +491,8 @@ def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None) -> Loa
     ``broker()``, if given, returns a ``BrokerView`` of the broker's queues:
     the drain asks it whether they are empty, and records their depths when
     it ends. ``on_drain(seconds, delivered, expected, view)`` is called about
-    once a second of the drain (``view`` None without ``broker``).
+    once a second of the drain (``view`` None without ``broker``). ``search``, if given (a
+    ``maxrate.RateSearch``), sees each second's counts and sets the publishers' rate.
 
     Raises WorkerFailed if a worker cannot connect or set up; a worker that
     fails later is listed in ``LoadResult.errors`` and the run carries on.
@@ -510,7 +512,7 @@ def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None) -> Loa
         start_ns = time.monotonic_ns()
         book = ReportBook(cfg, start_ns, [w.name for w in workers], _run_id())
         _send(workers, encode_start(start_ns))
-        seconds = _produce(cfg, workers, book, start_ns, on_second)
+        seconds = _produce(cfg, workers, book, start_ns, on_second, search, producers)
         _send(producers, encode_stop())
         drain = _drain(cfg, workers, book, broker, on_drain)
         _send(producers, encode_end())
@@ -522,7 +524,8 @@ def run_load(cfg: LoadConfig, on_second=None, broker=None, on_drain=None) -> Loa
         _reap(workers)
 
 
-def _produce(cfg: LoadConfig, workers, book: ReportBook, start_ns: int, on_second) -> list[SecondReport]:
+def _produce(cfg: LoadConfig, workers, book: ReportBook, start_ns: int, on_second, search=None,
+             producers=()) -> list[SecondReport]:
     """The producing window: cut and hand out each second (until ``on_second`` returns true)."""
     seconds: list[SecondReport] = []
     stop_ns = start_ns + int(cfg.duration_s * NS_PER_S)
@@ -534,6 +537,10 @@ def _produce(cfg: LoadConfig, workers, book: ReportBook, start_ns: int, on_secon
         if k <= last_k and now >= boundary and (book.has_second(k) or now >= boundary + SECOND_GRACE_NS):
             seconds.append(book.second(k))
             k += 1
+            if search is not None and producers:
+                rate = search.observe(seconds[-1].time_s, seconds[-1].published, seconds[-1].delivered)
+                if rate is not None:
+                    _send(producers, encode_rate(rate / len(producers)))
             if on_second is not None and on_second(seconds[-1]):
                 break                                # the caller has seen enough: stop early
             continue

@@ -372,8 +372,11 @@ class Publisher:
             busy = progressed and (self.out or schedule.unlimited)
             if not busy or now >= next_control_ns:       # busy: look at the control pipe now and then
                 next_control_ns = now + CONTROL_POLL_BUSY_NS
-                if link.command_nowait()[0] in ("stop", "end"):
+                command, value = link.command_nowait()
+                if command in ("stop", "end"):
                     return                               # ``finish`` completes the batch in flight
+                if command == "rate":
+                    schedule.set_rate(now, value)
             if busy:
                 continue
             deadline = min(next_report_ns, stop_ns) if now < stop_ns else next_report_ns

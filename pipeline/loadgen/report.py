@@ -8,6 +8,8 @@ Control pipe, harness -> worker (bytes)::
     b"E"                                                           end: the drain is over; a publisher
                                                                    still closing reports and drops its
                                                                    connection (EOF reads as end too)
+    b"R" | u64 rate in msg/s x 1000 (big-endian)                   rate: publish at this rate from now
+                                                                   (``--max-rate``'s search)
 
 Report pipe, worker -> harness: one JSON object per line (UTF-8, ``\\n``
 ends a record; a record cut off by EOF is dropped as the worker's death)::
@@ -34,6 +36,7 @@ from pipeline.loadgen import LoadgenError
 START = b"G"
 STOP = b"S"
 END = b"E"
+RATE = b"R"
 _START = struct.Struct(">cQ")
 LATENCY_FIELDS = ("min", "p50", "p75", "p95", "p99", "max")
 
@@ -54,8 +57,13 @@ def encode_end() -> bytes:
     return END
 
 
+def encode_rate(rate: float) -> bytes:
+    return _START.pack(RATE, round(rate * 1000))
+
+
 def decode_control(buf: bytes) -> tuple[str | None, int | None, int]:
-    """``(command, start_ns, bytes consumed)`` of the first command in ``buf``; command None if incomplete."""
+    """``(command, value, bytes consumed)`` of the first command in ``buf``; command None if incomplete.
+    The value is the start instant for "start", the rate for "rate"."""
     if not buf:
         return None, None, 0
     head = buf[:1]
@@ -63,10 +71,11 @@ def decode_control(buf: bytes) -> tuple[str | None, int | None, int]:
         return "stop", None, 1
     if head == END:
         return "end", None, 1
-    if head == START:
+    if head == START or head == RATE:
         if len(buf) < _START.size:
             return None, None, 0
-        return "start", _START.unpack_from(buf)[1], _START.size
+        value = _START.unpack_from(buf)[1]
+        return ("start", value, _START.size) if head == START else ("rate", value / 1000, _START.size)
     raise WorkerLinkError(f"unknown control byte {head!r}")
 
 

@@ -7,7 +7,9 @@ latency is measured from them, so a publisher that falls behind shows it.
 - a rate, or ``--variable-rate`` steps ``((rate, seconds), ...)`` taken in
   turn and repeated: message ``n`` of a step is intended at
   ``anchor + n / rate``; a rate of 0 sends nothing for the step's seconds;
-- ``limit`` (``-C``): no more than this many messages in all.
+- ``limit`` (``-C``): no more than this many messages sent in all;
+- ``start_ns`` may lie after the run's start (a random start delay): nothing
+  is due before it, unlimited or not.
 
 No burst after a stall. When the publisher could not send for a while (a
 blocked connection, TCP back-pressure, a descheduled process), the messages
@@ -41,7 +43,15 @@ class SendSchedule:
         self.in_step = 0
         self.taken = 0
         self.skipped = 0
+        self.last_at: int | None = None          # the last intended time handed out
         self.omitted: list[tuple[int, int]] = []
+
+    def set_rate(self, now_ns: int, rate: float) -> None:
+        """From ``now_ns`` on, one fixed ``rate`` (the max-rate search's next period)."""
+        self.steps = ((rate, math.inf),)
+        self.step = 0
+        self.step_start_ns = self.anchor_ns = now_ns
+        self.in_step = 0
 
     @property
     def unlimited(self) -> bool:
@@ -54,8 +64,17 @@ class SendSchedule:
         return self.step_start_ns + self.steps[self.step][1] * NS_PER_S
 
     def _next_step(self) -> None:
-        self.step_start_ns = self.anchor_ns = int(self._step_end_ns())
+        """On to the next step; the part of an interval the last send still owed carries over, so
+        that ``rate x seconds`` that is not whole does not round up in every step."""
+        end = int(self._step_end_ns())
+        old_rate = self.steps[self.step][0] or 0
+        owed = 0.0
+        if old_rate and self.in_step and self.last_at is not None:
+            owed = min(1.0, max(0.0, 1 - (end - self.last_at) * old_rate / NS_PER_S))
         self.step = (self.step + 1) % len(self.steps)
+        new_rate = self.steps[self.step][0] or 0
+        self.step_start_ns = end
+        self.anchor_ns = end + (round(owed * NS_PER_S / new_rate) if new_rate else 0)
         self.in_step = 0
 
     def _intended(self) -> int | None:
@@ -72,9 +91,12 @@ class SendSchedule:
         return int(self.step_start_ns)        # every step is a pause shorter than a turn of this loop
 
     def next_due_ns(self) -> int | None:
-        """When the next message is due; None when publishing is unlimited or the limit is reached."""
+        """When the next message is due; None when publishing is unlimited (once started) or the limit
+        is reached."""
         if self.exhausted():
             return None
+        if self.unlimited:
+            return self.first_start_ns if not self.taken else None
         return self._intended()
 
     def interval_ns(self, at_ns: int) -> float | None:
@@ -85,6 +107,8 @@ class SendSchedule:
     def due(self, now_ns: int, room: int) -> list[int]:
         """Intended times of the messages to send now (at most ``room``); they count as taken."""
         out: list[int] = []
+        if now_ns < self.first_start_ns:
+            return out                           # a random start delay not over yet
         while len(out) < room and not self.exhausted():
             at = self._intended()
             if at is None:
@@ -96,6 +120,7 @@ class SendSchedule:
             out.append(at)
             self.taken += 1
             self.in_step += 1
+            self.last_at = at
             if now_ns - at > STALL_TOLERANCE_NS:
                 self._skip_until(now_ns)
         return out
@@ -117,12 +142,10 @@ class SendSchedule:
     def _skipped(self, now_ns: int, rate: float, n: int) -> None:
         """``n`` sends of this step, from message ``in_step`` on, are skipped at ``now_ns``: count them,
         and keep how long each had waited (in at most ``OMITTED_BUCKETS`` groups)."""
-        if self.limit:
-            n = min(n, self.limit - self.taken)
         if n <= 0:
             return
-        self.skipped += n
-        self.taken += n
+        self.skipped += n                        # not sent, so not counted against -C
+        self.last_at = None
         first = self.anchor_ns + self.in_step * NS_PER_S / rate
         per = max(1, math.ceil(n / OMITTED_BUCKETS))
         for k in range(0, n, per):
