@@ -311,6 +311,11 @@ def build_parser() -> Parser:
                        metavar="SECONDS", help="each producer starts after a random delay up to SECONDS")
     shape.add_argument("-R", "--consumer-rate", type=rate_arg, default=None,
                        help="msg/s each consumer takes at most (default unlimited)")
+    shape.add_argument("--step", default=None, metavar="DIMENSION=V1,V2,...",
+                       help="steps within one run (RabbitTestTool): rate, size, inflight, prefetch, publishers or "
+                            "consumers takes each value in turn for --step-seconds, with its own figures")
+    shape.add_argument("--step-seconds", type=nonneg_seconds, default=None, metavar="SECONDS",
+                       help="each step's publishing time (default -z)")
     shape.add_argument("--max-rate", action="store_true",
                        help="search for the maximum sustainable rate (OpenMessaging Benchmark's way): from -r "
                             "(default 10000 msg/s in all) the rate rises every 2 s while backlogs stay under "
@@ -539,6 +544,16 @@ def cmd_run(args) -> int:
         load = load_config(args)
     except InvalidLoadConfig as exc:
         raise UsageError(f"creditflow run: {exc}") from None
+    if args.step:
+        from pipeline.loadgen.steps import parse_step, step_configs
+        if args.max_rate:
+            raise UsageError("creditflow run: --step and --max-rate both drive the run: give one")
+        try:
+            step_configs(load, parse_step(args.step, args.step_seconds or load.duration_s))
+        except InvalidLoadConfig as exc:
+            raise UsageError(f"creditflow run: {exc}") from None
+    elif args.step_seconds is not None:
+        raise UsageError("creditflow run: --step-seconds goes with --step")
     if args.max_rate:
         if args.variable_rate or args.pmessages:
             raise UsageError("creditflow run: --max-rate sets the rate itself: no --variable-rate or -C")

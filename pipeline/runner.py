@@ -176,7 +176,7 @@ def max_rate_summary(search) -> dict:
                          "publish_backlog": p.publish_backlog, "sustained": p.sustained} for p in search.periods]}
 
 
-def summarize(result, status: dict, config: dict, wall_s: float, search=None) -> dict:
+def summarize(result, status: dict, config: dict, wall_s: float, search=None, steps=None) -> dict:
     processes = {}
     for name, p in status.get("processes", {}).items():
         seconds = p.get("seconds") or {}
@@ -209,6 +209,7 @@ def summarize(result, status: dict, config: dict, wall_s: float, search=None) ->
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
         "deaths": status.get("deaths", []), "wall_seconds": round(wall_s, 3), "config": config,
         **({"max_rate": max_rate_summary(search)} if search is not None else {}),
+        **({"steps": steps} if steps is not None else {}),
     }
 
 
@@ -280,8 +281,24 @@ def shown_config(load: LoadConfig) -> dict:
     return {k: v for k, v in vars(load).items() if k != "password"}
 
 
+def run_planned(load: LoadConfig, plan, on_step=None, **kwargs):
+    """``run_load`` once, or once per step of ``plan`` (``loadgen.steps``) against the same broker;
+    ``(result, step rows or None)``, the steps' results combined into one."""
+    from pipeline.loadgen.harness import run_load
+    from pipeline.loadgen.steps import combine, step_configs, step_row
+    if plan is None:
+        return run_load(load, **kwargs), None
+    results, rows = [], []
+    for value, step_load in zip(plan.values, step_configs(load, plan)):
+        results.append(run_load(step_load, **kwargs))
+        rows.append(step_row(plan, value, results[-1]))
+        if on_step is not None:
+            on_step(rows[-1])
+    return combine(results), rows
+
+
 def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None = None, on_second=None,
-                   on_drain=None, extra: dict | None = None, search=None):
+                   on_drain=None, extra: dict | None = None, search=None, plan=None, on_step=None):
     """Run ``load`` against the broker it names (``--uri``): nothing is started but the load's own
     processes. The run directory holds config.json, seconds.jsonl and summary.json, as with a broker
     of our own; with ``management_uri`` (a RabbitMQ's management API) its connections', channels' and
@@ -354,20 +371,21 @@ def execute_remote(load: LoadConfig, run_dir: str, *, management_uri: str | None
             on_drain(drain_line(elapsed_s, delivered, expected, shown))
 
     try:
-        result = run_load(load, on_second=each_second, broker=None, on_drain=each_drain_second, search=search)
+        result, steps = run_planned(load, plan, on_step, on_second=each_second, broker=None,
+                                    on_drain=each_drain_second, search=search)
         sample(last=True)
     finally:
         seconds.close()
         if recorder is not None:
             recorder.close({"management": sampler.base})
-    summary = summarize(result, {}, config, time.monotonic() - started, search)
+    summary = summarize(result, {}, config, time.monotonic() - started, search, steps)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
     return summary, result
 
 
 def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=None, extra: dict | None = None,
-            search=None):
+            search=None, plan=None, on_step=None):
     """Start a broker on ``cfg.data_dir``, run load against it, stop it, and leave the run directory.
 
     ``load`` is the LoadConfig (its port becomes the broker's), or ``make_load(port)`` building
@@ -413,7 +431,8 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
                 if on_drain is not None:
                     on_drain(drain_line(elapsed_s, delivered, expected, depths))
 
-            result = run_load(load, on_second=each_second, broker=view, on_drain=each_drain_second, search=search)
+            result, steps = run_planned(load, plan, on_step, on_second=each_second, broker=view,
+                                        on_drain=each_drain_second, search=search)
             final = ctl.request("status")
         seconds.close()
         for line in tail.new_lines():
@@ -421,7 +440,7 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
                 on_log(line)
     finally:
         code = stop_broker(pid, run_dir)
-    summary = summarize(result, final, config, time.monotonic() - started, search)
+    summary = summarize(result, final, config, time.monotonic() - started, search, steps)
     summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)
@@ -477,6 +496,17 @@ def outcome_lines(summary: dict) -> list[str]:
     return lines
 
 
+def steps_table(rows: list[dict]) -> list[str]:
+    """The steps of a ``--step`` run, a line each, aligned."""
+    if not rows:
+        return []
+    keys = list(rows[0])
+    cells = [keys] + [[f"{r.get(k, ''):,}" if isinstance(r.get(k), (int, float)) else str(r.get(k, ''))
+                       for k in keys] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+
+
 def max_rate_line(found: dict, producers: int) -> str:
     periods = found["periods"]
     if found["found"] is None:
@@ -511,6 +541,13 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
     run_dir = os.path.abspath(args.run_dir or default_run_dir())
     view = View(plain=args.plain)
 
+    plan = None
+    if getattr(args, "step", None):
+        from pipeline.loadgen.steps import parse_step
+        plan = parse_step(args.step, args.step_seconds or load.duration_s)
+
+    def each_step(row):
+        view.log("step done: " + ", ".join(f"{k} {v}" for k, v in row.items()))
     search = None
     if getattr(args, "max_rate", False):
         from pipeline.loadgen.maxrate import RateSearch
@@ -526,7 +563,7 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
                 with view:
                     summary, result = execute_remote(load, run_dir, management_uri=args.management_uri,
                                                      on_second=each_remote_second, on_drain=view.log,
-                                                     search=search)
+                                                     search=search, plan=plan, on_step=each_step)
             except BrokerUnreachable as exc:
                 print(f"creditflow run: {exc}", file=sys.stderr)
                 return EXIT_NO_BROKER
@@ -534,7 +571,7 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
             cfg = broker_config(args, run_dir, args.port)
             with view:
                 summary, result = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log,
-                                          search=search)
+                                          search=search, plan=plan, on_step=each_step)
     except WorkerFailed as exc:          # e.g. a declare the broker refused (406 inequivalent arg)
         print(f"creditflow run: the load could not start: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
@@ -544,4 +581,7 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
         print(line)
     if search is not None:
         print(max_rate_line(summary["max_rate"], load.producers))
+    if plan is not None:
+        for line in steps_table(summary["steps"]):
+            print(line)
     return EXIT_LOST if summary["lost"] else 0
