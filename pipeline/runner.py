@@ -204,6 +204,9 @@ def summarize(result, status: dict, config: dict, wall_s: float, search=None, st
         "skipped": result.skipped, "foreign": result.foreign, "gaps": result.gaps, "duplicates": result.duplicates,
         "reordered": result.reordered, "order": result.order,
         "connections": connection_times(result, status),
+        "load_cpu": {"seconds": {w: round(v, 3) for w, v in sorted(result.cpu_s.items())},
+                     "us_per_message": round(sum(result.cpu_s.values()) / result.published * 1e6, 2)
+                     if result.published else None},
         "drain": drain_summary(result), "errors": list(result.errors),
         "publish_rate": round(result.publish_rate, 1), "deliver_rate": round(result.deliver_rate, 1),
         "latency_us": result.latency_us, "latency_histograms": result.histograms, "processes": processes, "links": links, "alarms": alarms,
