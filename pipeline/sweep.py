@@ -16,6 +16,11 @@ turns a flag on, ``false`` leaves it off::
     size = [100, 4096]
     consumer-latency = [0, 200]
 
+A ``stress`` key names scenarios of ``creditflow stress`` instead (``[grid]
+stress = ["slow-consumer", "alarm"]``): each such point runs ``creditflow
+stress NAME`` and its row carries the verdict and the key figure. A stress
+point takes no other option, since a scenario sets its own load.
+
 This module turns a grid file into :class:`Point`\\ s (every point's options
 are checked with the ``run`` command's own parser before anything starts) and
 runs one point: :func:`run_point`, the function each Spark task executes, runs
@@ -40,6 +45,8 @@ from dataclasses import dataclass
 
 SET_BY_SWEEP = ("run-dir", "port", "plain")     # each point gets its own; a grid may not set them
 POINT_GRACE_S = 120                             # start-up, drain and shutdown on top of the run's time
+STRESS_KEY = "stress"                           # a grid key naming ``creditflow stress`` scenarios
+STRESS_SECONDS = 60                             # a scenario's time limit before the grace (a long one: x4)
 OUTPUT_TAIL_LINES = 20
 
 
@@ -102,6 +109,8 @@ def points_of(doc: dict, origin: str = "grid") -> list[Point]:
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
             raise GridError(f"{origin}: grid.{key} must be a non-empty list")
+    if STRESS_KEY in shared or STRESS_KEY in grid:
+        return _stress_points(shared, grid, origin)
     shared_args = [a for k, v in shared.items() for a in _option_args(k.lstrip("-"), v)]
     keys = list(grid)
     points = []
@@ -110,6 +119,23 @@ def points_of(doc: dict, origin: str = "grid") -> list[Point]:
         args = tuple(shared_args + [a for k, v in values.items() for a in _option_args(k.lstrip("-"), v)])
         seconds = _check_run_args(args, origin, values)
         points.append(Point(index, values, args, _dir_name(index, values), seconds))
+    return points
+
+
+def _stress_points(shared: dict, grid: dict, origin: str) -> list[Point]:
+    """One point per scenario named by ``stress`` (in [run] or [grid]); it takes no other option."""
+    from pipeline.stress.catalogue import BY_NAME
+    others = sorted(k for k in (*shared, *grid) if k != STRESS_KEY)
+    if others:
+        raise GridError(f"{origin}: a stress scenario sets its own load; {', '.join(others)} cannot go with it")
+    names = grid.get(STRESS_KEY, [shared.get(STRESS_KEY)])
+    points = []
+    for index, name in enumerate(names, start=1):
+        if name not in BY_NAME:
+            raise GridError(f"{origin}: no stress scenario named {name!r} (creditflow stress --list shows them)")
+        values = {STRESS_KEY: name}
+        seconds = STRESS_SECONDS * (4 if BY_NAME[name].long else 1)
+        points.append(Point(index, values, ("stress", name), _dir_name(index, values), seconds))
     return points
 
 
@@ -144,7 +170,10 @@ def run_point(task: dict, out_dir: str) -> dict:
     run_dir = os.path.join(out_dir, "points", task["name"])
     os.makedirs(os.path.dirname(run_dir), exist_ok=True)
     started = time.monotonic()
-    proc = subprocess.Popen(creditflow_command("run", "--run-dir", run_dir, "--plain", *task["args"]),
+    stress = STRESS_KEY in task["values"]
+    command = (*task["args"], "--run-dir", run_dir) if stress else ("run", "--run-dir", run_dir, "--plain",
+                                                                     *task["args"])
+    proc = subprocess.Popen(creditflow_command(*command),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=task["seconds"] + POINT_GRACE_S)
@@ -158,8 +187,10 @@ def run_point(task: dict, out_dir: str) -> dict:
             summary = json.load(f)
     except (OSError, ValueError):
         pass
+    verdict = summary.get("stress") or {}
     return {"index": task["index"], "name": task["name"], "values": task["values"], "run_dir": run_dir,
             "exit_code": proc.returncode, "host": socket.gethostname(),
+            "verdict": verdict.get("outcome"), "key_figure": verdict.get("key"),
             "task_seconds": round(time.monotonic() - started, 3), "summary": summary,
             "output_tail": "\n".join(out.splitlines()[-OUTPUT_TAIL_LINES:]) if proc.returncode else ""}
 

@@ -38,6 +38,7 @@ from pipeline.analytics.tables import RUN_COLUMNS, run_row
 from pipeline.sweep import Point, run_point
 
 RESULT_COLUMNS = ("exit_code", "host", "task_seconds", "run_dir")
+STRESS_COLUMNS = ("verdict", "key_figure")      # a point that ran a ``creditflow stress`` scenario
 
 
 def run_tasks(spark, points: list[Point], out_dir: str) -> list[dict]:
@@ -61,7 +62,7 @@ def table_rows(points: list[Point], results: list[dict], analysed: dict) -> list
         run = analysed.get(point.index)
         row = {**{k: str(v) for k, v in point.values.items()}}
         row.update(run_row(run) if run is not None else {"run": point.name})
-        row.update({k: result.get(k) for k in RESULT_COLUMNS})
+        row.update({k: result.get(k) for k in RESULT_COLUMNS + STRESS_COLUMNS})
         rows.append(row)
     return rows
 
@@ -101,7 +102,9 @@ def run_sweep(points: list[Point], out_dir: str, master: str | None = None, para
         tasks_done = time.monotonic()
         analysed = {}
         for point, result in zip(points, results):
-            if result["exit_code"] == 0:
+            if result.get("verdict"):
+                log(f"sweep: point {point.name}: {result['verdict']}, {result['key_figure']}")
+            if result["exit_code"] == 0 or result.get("verdict") == "FAIL":     # a failed verdict ran to its end
                 analysed[point.index] = analyse(load_run(spark, result["run_dir"]))
             else:
                 log(f"sweep: point {point.name} failed (exit {result['exit_code']}):\n{result['output_tail']}")
@@ -109,7 +112,8 @@ def run_sweep(points: list[Point], out_dir: str, master: str | None = None, para
     for run in runs:
         write_run_report(run)
     index = write_comparison(runs, out_dir) if runs else None
-    columns = list(points[0].values) + list(RUN_COLUMNS) + list(RESULT_COLUMNS)
+    stress = [c for c in STRESS_COLUMNS if any(r.get("verdict") for r in results)]
+    columns = list(points[0].values) + stress + list(RUN_COLUMNS) + list(RESULT_COLUMNS)
     rows = table_rows(points, results, analysed)
     parquet_path, csv_path = write_table(rows, columns, out_dir)
     return {"points": len(points), "failed": sum(1 for r in results if r["exit_code"] != 0),

@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class StressError(Exception):
     """Raised when a stress scenario cannot be run at all (root of this package's errors)."""
+
+
+class ScenarioUnavailable(StressError):
+    """Raised when a scenario cannot run on this machine (a client library it drives is missing); it is skipped."""

@@ -24,6 +24,8 @@ RATE_FALL_FACTOR = 0.7             # fanout-slow-queue: publishing falls below t
 RATE_MATCH_TOLERANCE = 0.25        # ... and to within this share of the slow queue's own rate
 BLOCKED_WRITE_BOUND_BYTES = 64 * 1024 * 1024   # publisher-ignores-blocked: socket buffers, not the broker
 MEMORY_GROWTH_BOUND_BYTES = 64 * 1024 * 1024   # ... nor the broker's memory
+DISK_REASON = "low on disk"        # connection.blocked's reason for the disk alarm alone (RabbitMQ's text)
+MEMORY_REASON = "low on memory"
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,44 @@ CATALOGUE = (
              "the reader stops reading the socket (state blocked): the client's writes stall once TCP's "
              "buffers are full (at most 64 MiB written, nothing in the last second), the broker's memory "
              "grows by at most 64 MiB", own_broker=True),
+    Scenario("disk-alarm",
+             "A publisher at 4,000 msg/s of persistent 8 KiB messages into a durable queue whose consumer "
+             "takes 500 µs a message, so a backlog is written to the message store. After 1 s the disk free "
+             "limit is set 32 MiB under the free space the file system has then (ctl set-disk-free-limit): "
+             "the run's own writes cross it and set the disk alarm. 2 s after the alarm the limit goes back "
+             "to 50 MB.",
+             "the disk alarm is set once and cleared once, the publisher gets connection.blocked with the "
+             "reason 'low on disk' and then connection.unblocked, the consumer keeps receiving during the "
+             "alarm, every message delivered, lost 0", own_broker=True),
+    Scenario("alarm-flapping",
+             "A publisher at 1,000 msg/s and a consumer that keeps up. The broker's memory use is read, then "
+             "the memory watermark is moved under it and back over it (ctl set-watermark, absolute sizes: "
+             "half the use, then three times it) once a second, 4 times.",
+             "the memory alarm is set 4 times and cleared 4 times (as many transitions as were caused), the "
+             "publisher is blocked 4 times, each connection.blocked followed by its connection.unblocked, "
+             "every message delivered, lost 0", own_broker=True),
+    Scenario("kombu-publisher-alarm",
+             "kombu (py-amqp, confirm_publish, as Celery's broker_transport_options set it) publishes 5 "
+             "messages with Producer.publish and no timeout while the memory alarm is set (watermark 0); the "
+             "alarm is held 3 s, then the watermark goes back to 0.6 (celery issues #2689, #10386).",
+             "at most one publish returns during the alarm (the one that turns the connection from blocking "
+             "to blocked, as RabbitMQ lets it through); the next call hangs until the alarm clears and "
+             "returns only after it, kombu sees connection.blocked and connection.unblocked once, all 5 "
+             "calls return and all 5 messages are in the queue",
+             own_broker=True),
+    Scenario("connections-1000",
+             "1,000 aio-pika connections from 2 client processes, each with a channel: 500 publish with "
+             "confirms at 1 msg/s each to a queue of their own, 500 consume from those queues; held 20 s, "
+             "then every queue deleted and every connection closed.",
+             "all 1,000 connections and channels open, every publish confirmed and delivered once, the broker "
+             "stays up, its live stages come back to the count before", long=True),
+    Scenario("queues-1000",
+             "On one connection: 1,000 queues declared, each bound to a direct exchange with a key of its "
+             "own, one message published to each key with confirms, then one basic.get from each queue; "
+             "then the queues and the exchange are deleted.",
+             "all 1,000 queues declared and bound, every message confirmed and delivered to its own queue "
+             "(none left over), the broker stays up, its live stages come back to the count before",
+             long=True),
 )
 
 BY_NAME = {s.name: s for s in CATALOGUE}
@@ -290,6 +330,133 @@ def judge_publisher_ignores_blocked(f: dict, problems: list) -> tuple[str, str]:
         f"{mib(f['bytes_written'])} written"
 
 
+def _delivery(f: dict, problems: list) -> str:
+    _errors(f, problems)
+    if f.get("undelivered"):
+        problems.append(f"{f['undelivered']} not delivered")
+    return f"{_n(f['delivered'])} of {_n(f['published'])} delivered, {_lost(f, problems)}"
+
+
+def _paired(events: list) -> bool:
+    """Each connection.blocked followed by its connection.unblocked, and nothing left blocked."""
+    return len(events) % 2 == 0 and all(e == ("blocked" if i % 2 == 0 else "unblocked") for i, e in enumerate(events))
+
+
+def judge_disk_alarm(f: dict, problems: list) -> tuple[str, str]:
+    if f["disk_sets"] != 1 or f["disk_clears"] != 1:
+        problems.append(f"disk alarm set {f['disk_sets']} times, cleared {f['disk_clears']} times")
+    if f["memory_sets"]:
+        problems.append(f"the memory alarm went off too ({f['memory_sets']} times)")
+    if "blocked" not in f["events"] or not _paired(f["events"]):
+        problems.append(f"publisher events {f['events']}, not blocked then unblocked")
+    wrong = sorted({r for r in f["reasons"] if r != DISK_REASON})
+    if wrong:
+        problems.append(f"connection.blocked reason {', '.join(map(repr, wrong))}, not {DISK_REASON!r}")
+    if not f["received_during_alarm"] > 0:
+        problems.append("the consumer received nothing during the alarm")
+    mib = lambda b: f"{b / (1024 * 1024):,.0f} MiB"         # noqa: E731
+    measured = (f"limit set to {mib(f['limit_bytes'])} with {mib(f['free_at_limit'])} free; the run's writes "
+                f"crossed it {f['fill_seconds']:.1f} s later (free then {mib(f['free_at_alarm'])}); disk alarm set "
+                f"{f['disk_sets']}x, cleared {f['disk_clears']}x; publisher {', '.join(f['events']) or 'never blocked'} "
+                f"(reason {', '.join(sorted(set(f['reasons']))) or 'none'}); in the {f['alarm_seconds']:.1f} s of "
+                f"the alarm the consumer received {_n(f['received_during_alarm'])}; {_delivery(f, problems)}")
+    return measured, f"received {_n(f['received_during_alarm'])} while blocked"
+
+
+def judge_alarm_flapping(f: dict, problems: list) -> tuple[str, str]:
+    cycles = f["cycles"]
+    if f["memory_sets"] != cycles or f["memory_clears"] != cycles:
+        problems.append(f"memory alarm set {f['memory_sets']} and cleared {f['memory_clears']} times for "
+                        f"{cycles} caused")
+    if f["events"].count("blocked") != cycles or not _paired(f["events"]):
+        problems.append(f"publisher events {' '.join(f['events']) or 'none'}, not {cycles} blocked/unblocked pairs")
+    wrong = sorted({r for r in f["reasons"] if r != MEMORY_REASON})
+    if wrong:
+        problems.append(f"connection.blocked reason {', '.join(map(repr, wrong))}, not {MEMORY_REASON!r}")
+    mib = lambda b: f"{b / (1024 * 1024):,.0f} MiB"         # noqa: E731
+    measured = (f"broker using {mib(f['memory_used'])}; watermark moved to {mib(f['low_bytes'])} and "
+                f"{mib(f['high_bytes'])} {cycles} times: memory alarm set {f['memory_sets']}x, cleared "
+                f"{f['memory_clears']}x; publisher blocked {f['events'].count('blocked')}x, unblocked "
+                f"{f['events'].count('unblocked')}x" + (" in pairs" if _paired(f["events"]) else " (not in pairs)")
+                + f"; {_delivery(f, problems)}")
+    return measured, (f"{cycles} cycles: alarm {f['memory_sets']}/{f['memory_clears']}, "
+                      f"blocked {f['events'].count('blocked')}/{f['events'].count('unblocked')}")
+
+
+def judge_kombu_publisher_alarm(f: dict, problems: list) -> tuple[str, str]:
+    """RabbitMQ lets through the publish that turns a blocking connection blocked; the next one hangs."""
+    calls, cleared = f["calls"], f["cleared_at"]
+    spanning = [(b, e) for b, e in calls if b < cleared <= e]
+    if not spanning:
+        problems.append("no publish call was still waiting when the alarm cleared")
+    if f["returned_before_clear"] > 1:
+        problems.append(f"{f['returned_before_clear']} publish calls returned during the alarm (at most the one "
+                        f"that turns the connection blocked may)")
+    if len(calls) != f["messages"]:
+        problems.append(f"{len(calls)} of {f['messages']} publish calls returned "
+                        f"(within {f['join_timeout_s']:.0f} s of the clear)")
+    if f["in_queue"] != f["messages"]:
+        problems.append(f"{f['in_queue']} of {f['messages']} messages in the queue")
+    if len(f["blocked_reasons"]) != 1 or f["unblocked"] != 1:
+        problems.append(f"kombu's connection saw connection.blocked {len(f['blocked_reasons'])}x, "
+                        f"unblocked {f['unblocked']}x")
+    _errors(f, problems)
+    held = f"{spanning[0][1] - spanning[0][0]:.2f} s" if spanning else "?"
+    after = f", returning {spanning[0][1] - cleared:.3f} s after the clear" if spanning else ""
+    measured = (f"kombu {f['kombu']} Producer.publish (no timeout, confirm_publish) during a memory alarm of "
+                f"{cleared:.2f} s: {f['returned_before_clear']} call(s) returned during the alarm, the next was "
+                f"held {held}{after}; kombu saw connection.blocked {len(f['blocked_reasons'])}x (py-amqp reports "
+                f"{', '.join(map(repr, sorted(set(f['blocked_reasons'])))) or 'nothing'}, not the broker's reason), "
+                f"unblocked {f['unblocked']}x; {len(calls)} of {f['messages']} calls returned, {f['in_queue']} "
+                f"in the queue")
+    return measured, f"publish held {held} of {cleared:.1f} s alarm"
+
+
+def _stages(f: dict, problems: list) -> str:
+    before, after = f.get("stages_before"), f.get("stages_after")
+    if not f["broker_up"]:
+        problems.append("the broker stopped answering")
+    if before is None:
+        return "live stages not observable (no broker status over --uri)"
+    if after != before:
+        problems.append(f"live stages {after} after closing, {before} before")
+    return f"live stages {_n(before)} before, {_n(f['stages_peak'])} at the peak, {_n(after)} after"
+
+
+def judge_connections_1000(f: dict, problems: list) -> tuple[str, str]:
+    _errors(f, problems)
+    for what in ("connections", "channels"):
+        if f[f"{what}_open"] != f["wanted"]:
+            problems.append(f"{f[f'{what}_open']} of {f['wanted']} {what} opened")
+    if f["confirmed"] != f["published"] or f["nacked"]:
+        problems.append(f"{f['confirmed']} of {f['published']} publishes confirmed, {f['nacked']} nacked")
+    if f["duplicates"]:
+        problems.append(f"{f['duplicates']} deliveries were duplicates")
+    if not f["published"]:
+        problems.append("nothing was published")
+    measured = (f"{_n(f['connections_open'])} of {_n(f['wanted'])} connections with a channel open in "
+                f"{f['open_seconds']:.1f} s; held {f['hold_s']:.0f} s: {_n(f['published'])} published, "
+                f"{_n(f['confirmed'])} confirmed, {_n(f['delivered'])} delivered, {f['duplicates']} duplicates, "
+                f"{_lost(f, problems)}; {_stages(f, problems)}; broker " + ("up" if f["broker_up"] else "down"))
+    return measured, (f"{_n(f['connections_open'])} open, {_n(f['delivered'])}/{_n(f['published'])} delivered, "
+                      f"stages {f.get('stages_before')}->{f.get('stages_after')}")
+
+
+def judge_queues_1000(f: dict, problems: list) -> tuple[str, str]:
+    _errors(f, problems)
+    for what in ("declared", "bound", "confirmed", "delivered"):
+        if f[what] != f["wanted"]:
+            problems.append(f"{f[what]} of {f['wanted']} queues {what}")
+    if f["left_over"]:
+        problems.append(f"{f['left_over']} messages left in the queues after one basic.get each")
+    measured = (f"{_n(f['declared'])} of {_n(f['wanted'])} queues declared and {_n(f['bound'])} bound in "
+                f"{f['declare_seconds']:.1f} s, {_n(f['confirmed'])} messages confirmed, {_n(f['delivered'])} "
+                f"fetched from their own queue, {f['left_over']} left over; {_stages(f, problems)}; broker "
+                + ("up" if f["broker_up"] else "down"))
+    return measured, (f"{_n(f['delivered'])}/{_n(f['wanted'])} delivered, "
+                      f"stages {f.get('stages_before')}->{f.get('stages_after')}")
+
+
 JUDGES = {
     "slow-consumer": judge_slow_consumer,
     "many-publishers-one-queue": judge_many_publishers,
@@ -302,6 +469,11 @@ JUDGES = {
     "stage-killed": judge_stage_killed,
     "consumer-stops-reading": judge_consumer_stops_reading,
     "publisher-ignores-blocked": judge_publisher_ignores_blocked,
+    "disk-alarm": judge_disk_alarm,
+    "alarm-flapping": judge_alarm_flapping,
+    "kombu-publisher-alarm": judge_kombu_publisher_alarm,
+    "connections-1000": judge_connections_1000,
+    "queues-1000": judge_queues_1000,
 }
 
 
