@@ -201,3 +201,20 @@ def recv_msg(sock: socket.socket, timeout_s: float | None = None) -> tuple[dict,
             if left is not None and left <= 0:
                 raise WouldBlock(f"no control message within {timeout_s} s") from None
             _wait(sock, select.POLLIN, left)
+
+
+UNIX_PATH_MAX_BYTES = 107          # sun_path holds 108 bytes with its NUL
+
+
+def unix_socket_call(sock: socket.socket, call: str, path: str) -> None:
+    """``sock.bind(path)`` or ``sock.connect(path)`` (``call``) even when ``path`` is longer than a
+    Unix socket address may be (a deep data directory): the directory is then reached through
+    ``/proc/self/fd/N``, a path of a few bytes naming the same place."""
+    if len(os.fsencode(path)) <= UNIX_PATH_MAX_BYTES:
+        getattr(sock, call)(path)
+        return
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        getattr(sock, call)(f"/proc/self/fd/{fd}/{os.path.basename(path)}")
+    finally:
+        os.close(fd)

@@ -11,6 +11,8 @@ import os
 import socket
 import time
 
+from ipc import control
+
 
 class BrokerNotRunning(RuntimeError):
     """Raised when no broker answers on the data directory's control socket."""
@@ -46,7 +48,7 @@ class CtlClient:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         try:
-            self.sock.connect(info["ctl"])
+            control.unix_socket_call(self.sock, "connect", info["ctl"])
         except OSError as exc:
             self.sock.close()
             raise BrokerNotRunning(f"broker on {data_dir} does not answer: {exc}") from None

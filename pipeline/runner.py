@@ -29,6 +29,7 @@ from pipeline.loadgen.accounting import BrokerView, QueueDepth
 from pipeline.loadgen.config import InvalidLoadConfig, LoadConfig
 from pipeline.supervisor import BrokerConfig, run_broker
 
+ALREADY_REAPED = -1             # stop_broker: the broker had exited and been waited for before
 EXIT_LOAD_FAILED = 1             # a publisher or consumer could not connect or set up
 EXIT_LOST = 5
 EXIT_NO_BROKER = 6               # --uri names a broker that cannot be reached (the CLI's code for it too)
@@ -64,7 +65,10 @@ def stop_broker(pid: int, data_dir: str, timeout_s: float = 20.0) -> int:
         pass
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:            # reaped already: it died early and said why (wait_for_broker)
+            return ALREADY_REAPED
         if done:
             return os.waitstatus_to_exitcode(status)
         time.sleep(0.02)

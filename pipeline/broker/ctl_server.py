@@ -21,6 +21,8 @@ import os
 import selectors
 import socket
 
+from ipc import control
+
 MAX_LINE_BYTES = 64 * 1024
 MAX_UNSENT_BYTES = 16 * 1024 * 1024
 MAX_CLIENTS = 64
@@ -46,7 +48,7 @@ class CtlServer:
         self.selector = selector
         self.on_request = on_request
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.server.bind(path)
+        control.unix_socket_call(self.server, "bind", path)
         os.chmod(path, 0o600)
         self.server.listen(16)
         self.server.setblocking(False)
