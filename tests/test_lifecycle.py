@@ -72,3 +72,4 @@ def test_what_giving_up_means_for_each_kind(kind, give_up):
     book = RestartBook(max_restarts=0)
     assert decide(kind, 1, book=book).action == give_up
     assert lifecycle.ON_GIVE_UP[kind] == give_up
+

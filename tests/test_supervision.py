@@ -401,3 +401,11 @@ def test_connections_share_reader_and_channel_processes_and_a_killed_host_takes_
     for c, _ in survivors:
         c.close()
     late.close()
+
+
+@pytest.mark.processes
+def test_a_data_directory_too_deep_for_a_unix_socket_address_still_serves_ctl(start_broker):
+    """sun_path holds 108 bytes; the control socket under a deeper data directory is reached anyway."""
+    broker = start_broker(name="d" * 110)
+    assert len(str(broker.data_dir / "ctl.sock")) > 108
+    assert broker.status()["processes"]["store"]["state"] == "running"
