@@ -154,6 +154,32 @@ def disk_limit_arg(text: str) -> str:
     return text
 
 
+def management_port_arg(text: str):
+    """--management-port: a port (0: any free one) or ``off``."""
+    if text.lower() == "off":
+        return "off"
+    value = nonneg_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+MANAGEMENT_PORT = 15672         # RabbitMQ's management plugin's
+
+
+def management_port(args) -> int | None:
+    """The port the management API listens on, None for none. serve: 15672, or any free port when the
+    broker's own --port is 0; run: off unless asked for."""
+    given = getattr(args, "management_port", None)
+    if given == "off":
+        return None
+    if given is not None:
+        return given
+    if getattr(args, "command", None) == "serve":
+        return 0 if args.port == 0 else MANAGEMENT_PORT
+    return None
+
+
 BROKER_DESTS: set[str] = set()      # the dests add_broker_options makes (for run --uri's check)
 
 
@@ -202,6 +228,10 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
                    help="on (default): statistics snapshots every 100 ms and state changes in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
+    g.add_argument("--management-port", type=management_port_arg, default=None, metavar="PORT|off",
+                   help="RabbitMQ's management API subset and Prometheus /metrics on 127.0.0.1:PORT (HTTP basic "
+                        "auth with the broker's users; 0: any free port; off: none). Default: serve 15672 (any "
+                        "free port with --port 0), run off")
     g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
                         "512 MiB); one bigger than a ring slot crosses it in pieces")
@@ -223,7 +253,7 @@ def broker_config(args, data_dir: str, port: int):
         confirm_after=args.confirm_after, store_file_bytes=args.store_file_mb * 1024 * 1024,
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
-        paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on",
+        paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on", management_port=management_port(args),
         **({} if args.pool is None else {"pool": args.pool}))
 
 
@@ -360,13 +390,15 @@ def build_parser() -> Parser:
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
+    ctl.add_argument("-q", "--quiet", action="store_true", help="list-*: no 'Listing ...' line (rabbitmqctl's -q)")
     ctl.add_argument("action", type=lambda s: s.replace("_", "-"),     # rabbitmqctl's set_vhost_limits works too
                      choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "set-vhost-limits",
-                              "list-vhost-limits", "clear-vhost-limits", "kill", "stop"),
+                              "list-vhost-limits", "clear-vhost-limits", "kill", "stop", *LIST_ACTIONS),
                      help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone); "
                           "set-vhost-limits JSON: '{\"max-connections\": 100, \"max-queues\": 50}' "
-                          "(negative: no limit)")
-    ctl.add_argument("value", nargs="?")
+                          "(negative: no limit); list-queues|list-connections|list-channels [COLUMN ...]: "
+                          "rabbitmqctl's columns (list-queues name state messages), tab-separated with a header")
+    ctl.add_argument("value", nargs="*", help="the action's value, or list-* columns")
     add_stress_parser(sub)
     return parser
 
@@ -411,8 +443,16 @@ def check_tls(args) -> None:
         raise UsageError(f"creditflow serve: cannot use --cert {args.cert} / --key {args.key}: {exc}") from None
 
 
+LIST_ACTIONS = ("list-queues", "list-connections", "list-channels")
+
+
 def cmd_ctl(args) -> int:
     from pipeline.ctlclient import BrokerNotRunning, CtlClient
+    if args.action in LIST_ACTIONS:
+        return cmd_ctl_list(args)
+    if len(args.value) > 1:
+        raise UsageError(f"creditflow ctl: {args.action} takes at most one value, got {len(args.value)}")
+    args.value = args.value[0] if args.value else None
     if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill") and args.value is None:
         raise UsageError(f"creditflow ctl: {args.action} needs a value")
     try:
@@ -438,9 +478,36 @@ def cmd_ctl(args) -> int:
     return EXIT_OK if reply.get("ok") else EXIT_USAGE
 
 
+def cmd_ctl_list(args) -> int:
+    """rabbitmqctl's list_queues / list_connections / list_channels, from the management API's views."""
+    from pipeline.ctlclient import BrokerNotRunning, CtlClient
+    from pipeline.management.views import LIST_HEADINGS, UnknownColumn, Views, format_cell, list_rows
+    what = args.action.split("-", 1)[1]
+    try:
+        with CtlClient(args.data_dir) as client:
+            status = client.request("status")
+    except BrokerNotRunning as exc:
+        print(f"creditflow ctl: {exc}", file=sys.stderr)
+        return EXIT_NO_BROKER
+    try:
+        rows = list_rows(Views(status), what, args.value)
+    except UnknownColumn as exc:
+        raise UsageError(f"creditflow ctl: {args.action}: {exc}") from None
+    if args.json:
+        print(json.dumps([dict(zip(rows[0], r)) for r in rows[1:]], indent=2, default=str))
+        return EXIT_OK
+    if not args.quiet:
+        print(LIST_HEADINGS[what])
+    for row in rows:
+        print("\t".join(format_cell(v) for v in row))
+    return EXIT_OK
+
+
 def format_status(status: dict) -> str:
     lines = [f"broker {status.get('node')} pid {status.get('pid')} port {status.get('port')} "
              f"run {status.get('run_id')}"]
+    if status.get("management_port"):
+        lines.append(f"management API and /metrics: http://127.0.0.1:{status['management_port']}/")
     for name, p in sorted(status.get("processes", {}).items()):
         if not p.get("alive"):
             continue
@@ -463,6 +530,7 @@ def format_status(status: dict) -> str:
                      "internal_error": "its connection closed with 541",
                      "queue_down": "given up: the queue stays down",
                      "no_watchdog": "given up: no alarms",
+                     "no_management": "given up: no management API",
                      "stop_broker": "given up: the broker stops"}.get(d.get("action"), d.get("action", ""))
             lines.append(f"  {d['name']:<24} pid {d['pid']} {d['how']}, {then}: {after}")
     return "\n".join(lines)

@@ -43,15 +43,19 @@ def wait_for_broker(data_dir: str, timeout_s: float = 15.0, pid: int | None = No
 
 
 class CtlClient:
-    def __init__(self, data_dir: str, timeout_s: float = 10.0):
-        info = broker_info(data_dir)
+    def __init__(self, data_dir: str | None = None, timeout_s: float = 10.0, *, path: str | None = None):
+        """The broker on ``data_dir`` (its broker.json names the socket), or the socket at ``path``."""
+        if path is None:
+            if data_dir is None:
+                raise TypeError("CtlClient needs a data_dir or a path")
+            path = broker_info(data_dir)["ctl"]
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         try:
-            control.unix_socket_call(self.sock, "connect", info["ctl"])
+            control.unix_socket_call(self.sock, "connect", path)
         except OSError as exc:
             self.sock.close()
-            raise BrokerNotRunning(f"broker on {data_dir} does not answer: {exc}") from None
+            raise BrokerNotRunning(f"broker on {data_dir or path} does not answer: {exc}") from None
         self.buf = b""
 
     def request(self, cmd: str, **args) -> dict:

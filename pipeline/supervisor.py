@@ -60,6 +60,8 @@ from pipeline.broker.definitions import (DEFINITIONS_FILE, REPLY_TO_PREFIX, BadL
                                          not_found_queue, parse_limits, queue_stopped, refused)
 from pipeline.broker.process_states import StateClock, state_at
 from pipeline.host import Host, build_stage
+from pipeline.management import views as management_views
+from pipeline.management.histogram import LatencyHistogram
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -84,6 +86,11 @@ SUPERVISOR = "creditflow_sup"
 HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
+MANAGEMENT_HOST = "127.0.0.1"       # the management listener is for this machine only
+
+
+class ManagementPortInUse(OSError):
+    """Raised when the management port (--management-port) is taken by another process."""
 
 
 @dataclass
@@ -119,6 +126,7 @@ class BrokerConfig:
     tls_key: str | None = None
     # hosts per kind for readers, channels and queues (pipeline.host); 0: a process of its own for each
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
+    management_port: int | None = None     # the management API and /metrics on 127.0.0.1 (0: any free port)
 
 
 @dataclass(eq=False)                # one Proc per process incarnation: compared and hashed by identity
@@ -268,6 +276,13 @@ class Supervisor:
         self.listeners: list[tuple[socket.socket, bool]] = []     # (listening socket, TLS?)
         self.port = self.listen(cfg.host, cfg.port, tls=False)
         self.tls_port = self.listen(cfg.host, cfg.tls_port, tls=True) if cfg.tls_port is not None else None
+        self.management_sock: socket.socket | None = None
+        self.management_port: int | None = None
+        if cfg.management_port is not None:
+            self.management_sock, self.management_port = self.listen_management(cfg.management_port)
+        self.started_ns = time.monotonic_ns()
+        self.fsync_histogram = LatencyHistogram()
+        self.retired: dict[str, dict] = {}                # counters of processes that ended, by kind
         self.ctl_path = os.path.join(cfg.data_dir, "ctl.sock")
         self.ctl = CtlServer(self.ctl_path, self.selector, self.ctl_request)
         self.wake_r, self.wake_w = socket.socketpair()
@@ -536,6 +551,30 @@ class Supervisor:
         self.selector.register(sock, selectors.EVENT_READ, ("listen", len(self.listeners)))
         return sock
 
+    def listen_management(self, port: int) -> tuple[socket.socket, int]:
+        """The management API's listening socket, bound here so its port is known (and refused) at start
+        and a restarted management process serves on the same one."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((MANAGEMENT_HOST, port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise ManagementPortInUse(exc.errno, f"management port {port} is already in use") from None
+            raise
+        sock.listen(128)
+        return sock, sock.getsockname()[1]
+
+    def start_management(self) -> Proc | None:
+        if self.management_sock is None:
+            return None
+        from pipeline.management.server import ManagementProcess
+        fd = self.management_sock.fileno()
+        ctl_path, users = self.ctl_path, dict(self.cfg.users)
+        return self.spawn("management", "management",
+                          lambda ctl, inbox, bell: ManagementProcess(ctl, fd, ctl_path, users), extra_keep=(fd,))
+
     def accept(self, index: int) -> None:
         listener, tls = self.listeners[index]
         while True:
@@ -759,6 +798,9 @@ class Supervisor:
                 self.telemetry.stats(msg, stages=len(self.procs))
             if proc.kind == "watchdog":
                 self.check_paging(msg)
+            elif proc.kind == "store":
+                for _, duration_ns in msg.get("fsync_events", ()):
+                    self.fsync_histogram.add(int(duration_ns))
         elif kind == "log":
             self.log(msg.get("level", "info"), msg.get("lines", []))
         elif kind == "exited" and proc.kind == "host":     # one of its stages ended
@@ -1103,18 +1145,28 @@ class Supervisor:
                 "alive": proc is not None, "state": state_at(st, now), "seconds": self.clock.seconds(name, now),
                 "restarts": self.incarnations.get(name, 0),
             }
+            if proc is not None and proc.peer:
+                processes[name]["peer"] = proc.peer          # a reader's "client -> listener" addresses
+            if proc is not None and proc.owner:
+                processes[name]["owner"] = proc.owner        # a channel's reader
         links = {}
         for st in self.stats.values():
             links.update(st.get("links", {}))
         queues = {name: {"proc": f"queue-{name}", "durable": q.durable, "down": q.down, "exclusive": q.exclusive,
-                         "auto_delete": q.auto_delete, "arguments": {k: str(v) for k, v in q.arguments.items()}}
+                         "auto_delete": q.auto_delete, "arguments": {k: _json_value(v) for k, v in q.arguments.items()}}
                   for name, q in self.defs.queues.items()}
         hosts = {p.name: {"pid": p.pid, "kind": HOSTED_KINDS[p.number], "stages": p.stages}
                  for p in self.procs.values() if p.kind == "host"}
         return {"run_id": self.run_id, "pid": os.getpid(), "port": self.port, "node": self.cfg.node,
                 "now_ns": now, "processes": processes, "hosts": hosts, "links": links, "alarms": self.alarms,
                 "deaths": self.deaths, "queues": queues,
-                "fd": {"used": self.fds_fullest(), "limit": self.fd_limit, "alarm": self.fd_alarm}}
+                "fd": {"used": self.fds_fullest(), "limit": self.fd_limit, "alarm": self.fd_alarm},
+                "host": self.cfg.host, "tls_port": self.tls_port, "management_port": self.management_port,
+                "uptime_ms": (now - self.started_ns) // 1_000_000, "connection_max": self.cfg.connection_max,
+                "processors": os.cpu_count(),
+                "proc": {"used": 1 + len({p.pid for p in self.procs.values()}), "limit": _nproc_limit()},
+                "routing": dataclasses.asdict(self.defs.routing.statistics()),
+                "retired": self.retired, "fsync_histogram": self.fsync_histogram.snapshot()}
 
     def record_state(self, change) -> None:
         if change is not None and self.cfg.telemetry:
@@ -1198,6 +1250,10 @@ class Supervisor:
         """Take what it said last (a log line, final statistics), then close its endpoints here."""
         self.on_proc_msg(proc, limit=100_000)
         self.record_state(self.clock.end(proc.name, time.monotonic_ns()))
+        st = self.stats.get(proc.name)
+        if st is not None and not st.get("retired"):    # global counters keep what it counted
+            management_views.retire(self.retired, proc.kind, st)
+            st["retired"] = True
         self.telemetry.stage_ended(proc.name)
         if self.procs.get(proc.name) is proc:
             del self.procs[proc.name]
@@ -1272,6 +1328,10 @@ class Supervisor:
             if new is not None:
                 for q in [p for p in self.procs.values() if p.kind == "queue"]:
                     self.link_queue_store(q)
+        elif proc.kind == "management":
+            self.log("warning", ["Restarting crashed management listener (HTTP API and /metrics) on port "
+                                 f"{self.management_port}"])
+            new = self.start_management()
         else:
             self.log("warning", ["Restarting crashed memory and disk monitor; alarms are re-evaluated from a "
                                  "fresh reading"])
@@ -1295,6 +1355,9 @@ class Supervisor:
     def after_no_watchdog(self, proc: Proc, verdict) -> None:
         self.after_give_up(proc, verdict)
 
+    def after_no_management(self, proc: Proc, verdict) -> None:
+        self.after_give_up(proc, verdict)
+
     def after_give_up(self, proc: Proc, verdict) -> None:
         limit = f"{lifecycle.MAX_RESTARTS} restarts in {lifecycle.RESTART_PERIOD_S} s"
         if proc.kind == "queue":
@@ -1302,6 +1365,8 @@ class Supervisor:
             if queue in self.defs.queues:
                 self.defs.queues[queue].down = True
             what = f"queue '{queue}' in vhost '/' stays down; clients get 404"
+        elif proc.kind == "management":
+            what = "the broker runs on without its management API and /metrics"
         elif proc.kind == "watchdog":
             what = "the broker runs on without memory and disk alarms"
             for client, _, _ in self.ctl_waiting:
@@ -1352,6 +1417,10 @@ class Supervisor:
             self.start_watchdog()
             self.load_definitions()
             self.write_broker_file()
+            if self.start_management() is not None:
+                self.log("info", [f"Management plugin: HTTP (non-TLS) listener started on port {self.management_port}",
+                                  f"Prometheus metrics: HTTP (non-TLS) listener started on port "
+                                  f"{self.management_port} (/metrics)"])
             next_tick = time.monotonic()
             while self.running:
                 timeout = max(0.0, next_tick - time.monotonic())
@@ -1408,7 +1477,8 @@ class Supervisor:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump({"pid": os.getpid(), "port": self.port, "tls_port": self.tls_port, "host": self.cfg.host,
-                       "run_id": self.run_id, "ctl": self.ctl_path, "node": self.cfg.node}, f)
+                       "run_id": self.run_id, "ctl": self.ctl_path, "node": self.cfg.node,
+                       "management_port": self.management_port}, f)
         os.replace(tmp, path)
 
     def stop_all(self) -> None:
@@ -1419,7 +1489,7 @@ class Supervisor:
                 listener.close()
             except OSError:
                 pass
-        for kind in ("reader", "channel", "queue", "host", "watchdog", "store"):
+        for kind in ("management", "reader", "channel", "queue", "host", "watchdog", "store"):
             group = [p for p in self.procs.values() if p.kind == kind]
             for p in group:
                 try:
@@ -1448,6 +1518,8 @@ class Supervisor:
             except OSError:
                 pass
         self.owner.unlink_all()
+        if self.management_sock is not None:
+            self.management_sock.close()
         self.telemetry.close(self.status())
         self.ctl.close()
         try:
@@ -1469,6 +1541,24 @@ class Supervisor:
         self.reap()
 
 
+def _json_value(value):
+    """An AMQP table value as JSON shows it (numbers stay numbers); anything else as text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v) for v in value]
+    return str(value)
+
+
+def _nproc_limit() -> int | None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def _close_endpoints(endpoints) -> None:
     for e in endpoints:
         try:
@@ -1480,6 +1570,9 @@ def _close_endpoints(endpoints) -> None:
 def run_broker(cfg: BrokerConfig, out=None) -> int:
     try:
         sup = Supervisor(cfg, out=out)
+    except ManagementPortInUse as exc:
+        print(f"creditflow: {exc.strerror}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             print(f"creditflow: port {cfg.port} is already in use", file=sys.stderr)

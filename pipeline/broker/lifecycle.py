@@ -16,6 +16,8 @@ queue       restarted: a durable queue recovers its persistent messages from
 store       restarted: it recovers its segments; queues re-send the writes it
             had not reported on disk
 watchdog    restarted; alarms re-evaluated from its first fresh reading
+management  restarted on the same listening socket; given up, the broker runs
+            on without its HTTP API and /metrics
 ==========  =====================================================================
 
 A reader or channel that exits 0 by itself has simply finished (its client
@@ -52,8 +54,9 @@ TRANSITIONS: dict[tuple[str, str], tuple[str, ...]] = {
 
 # what a kind's unasked-for end means, and what to do when its restarts run out
 ON_DEATH = {"reader": "close_connection", "channel": "internal_error", "queue": "restart",
-            "store": "restart", "watchdog": "restart"}
-ON_GIVE_UP = {"queue": "queue_down", "store": "stop_broker", "watchdog": "no_watchdog"}
+            "store": "restart", "watchdog": "restart", "management": "restart"}
+ON_GIVE_UP = {"queue": "queue_down", "store": "stop_broker", "watchdog": "no_watchdog",
+              "management": "no_management"}
 FINISHES_BY_ITSELF = ("reader", "channel")
 
 
@@ -73,7 +76,7 @@ def step(state: str, event: str, to: str | None = None) -> str:
 class Verdict:
     """What the supervisor must do about a process that ended."""
     action: str                   # forget | close_connection | internal_error | restart | queue_down |
-                                  # stop_broker | no_watchdog
+                                  # stop_broker | no_watchdog | no_management
     crashed: bool                 # an unasked-for end: logged as an error, counted in ``deaths``
     how: str                      # "exit code N" / "signal N"
     state: str                    # the process's lifecycle state after this

@@ -1,0 +1,240 @@
+"""The management HTTP listener: a process of its own, as RabbitMQ's management plugin is a separate app.
+
+The supervisor binds the listening socket (127.0.0.1:``--management-port``)
+and forks this process with it; a process that dies is restarted on the same
+socket. Requests are served by ``http.server.ThreadingHTTPServer``, a thread
+each; every answer is built by ``pipeline.management.views`` (or ``metrics``)
+from the broker's ``status``, which this process asks the supervisor for over
+the ctl socket, as ``creditflow ctl status`` does. The supervisor answers that
+socket without ever waiting on it, so a slow or stalled HTTP client holds up
+only its own thread here. One status serves every request for
+``STATUS_MAX_AGE_S``; rates come from successive statuses (``RateBook``).
+
+Paths: ``/api/overview``, ``/api/nodes``, ``/api/connections``, ``/api/channels``,
+``/api/queues[/VHOST[/NAME]]``, ``/api/consumers``, ``/api/health/checks/alarms``,
+``/api/health/checks/local-alarms``, ``/api/whoami``, ``/api/vhosts``,
+``/api/creditflow/processes``, ``/api/creditflow/links`` (HTTP basic auth with
+the broker's users; ``?columns=a,b.c`` as RabbitMQ's), and ``/metrics``
+(``/metrics/per-object`` alike; no auth, as RabbitMQ's prometheus plugin).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from ipc import control
+from ipc.errors import CorruptRecord, PeerGone
+from pipeline.ctlclient import BrokerNotRunning, CtlClient
+from pipeline.management.views import VHOST, RateBook, Views, select_columns, whoami
+
+STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share it
+CTL_TIMEOUT_S = 10.0
+CLIENT_TIMEOUT_S = 30.0          # an HTTP client silent this long loses its connection
+REALM = 'Basic realm="RabbitMQ Management"'
+NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
+JSON = "application/json"
+
+
+class BrokerUnavailable(Exception):
+    """Raised when the supervisor does not answer the status request (it is stopping, or gone)."""
+
+
+class StatusSource:
+    """The broker's status, asked over the ctl socket at most every ``max_age_s``; one at a time."""
+
+    def __init__(self, ctl_path: str, max_age_s: float = STATUS_MAX_AGE_S) -> None:
+        self.ctl_path = ctl_path
+        self.max_age_s = max_age_s
+        self.lock = threading.Lock()
+        self.client: CtlClient | None = None
+        self.status: dict | None = None
+        self.taken = 0.0
+        self.rates = RateBook()
+
+    def get(self) -> dict:
+        with self.lock:
+            now = time.monotonic()
+            if self.status is None or now - self.taken >= self.max_age_s:
+                self.status = self._ask()
+                self.taken = time.monotonic()
+                self.rates.observe(self.status.get("now_ns", 0) / 1e9, self.status)
+            return self.status
+
+    def _ask(self) -> dict:
+        for attempt in (1, 2):        # a second try on a fresh connection (the supervisor dropped ours)
+            try:
+                if self.client is None:
+                    self.client = CtlClient(path=self.ctl_path, timeout_s=CTL_TIMEOUT_S)
+                reply = self.client.request("status")
+                if reply.get("ok"):
+                    return reply
+                raise BrokerUnavailable(str(reply.get("error")))
+            except (OSError, ValueError, BrokerNotRunning) as exc:
+                if self.client is not None:
+                    self.client.close()
+                    self.client = None
+                if attempt == 2:
+                    raise BrokerUnavailable(str(exc)) from None
+        raise AssertionError("unreachable")
+
+
+class App:
+    """Routing and auth: (method, path, query, Authorization header) in, (code, headers, body) out."""
+
+    def __init__(self, source: StatusSource, users: dict[str, str]) -> None:
+        self.source = source
+        self.users = users
+
+    def login(self, header: str | None) -> str | None:
+        if not header or not header.startswith("Basic "):
+            return None
+        try:
+            user, sep, password = base64.b64decode(header[6:], validate=True).decode().partition(":")
+        except (ValueError, UnicodeDecodeError):
+            return None
+        known = self.users.get(user)
+        if not sep or known is None or not hmac.compare_digest(known.encode(), password.encode()):
+            return None
+        return user
+
+    def handle(self, path: str, query: str, authorization: str | None) -> tuple[int, dict, bytes]:
+        parts = [unquote(p) for p in path.split("/")[1:]]
+        if parts and parts[-1] == "" and len(parts) > 1:
+            parts = parts[:-1]
+        try:
+            if parts[:1] == ["metrics"] and parts[1:] in ([], ["per-object"]):
+                return self.metrics()
+            if parts[:1] != ["api"]:
+                return 404, {"Content-Type": JSON}, _json(NOT_FOUND)
+            user = self.login(authorization)
+            if user is None:
+                headers = {"WWW-Authenticate": REALM}
+                if authorization is None:
+                    return 401, headers, b""
+                return 401, {**headers, "Content-Type": JSON}, _json({"error": "not_authorized",
+                                                                    "reason": "Login failed"})
+            code, body = self.api(parts[1:], user)
+        except BrokerUnavailable as exc:
+            return 503, {"Content-Type": JSON}, _json({"error": "broker_unavailable", "reason": str(exc)})
+        if code == 200:
+            columns = parse_qs(query).get("columns")
+            if columns:
+                body = select_columns(body, [c for c in ",".join(columns).split(",") if c])
+        return code, {"Content-Type": JSON, "Cache-Control": "no-cache"}, _json(body)
+
+    def api(self, parts: list[str], user: str) -> tuple[int, object]:
+        if parts == ["whoami"]:
+            return 200, whoami(user)
+        if parts == ["vhosts"]:
+            return 200, [{"name": VHOST, "description": "Default virtual host", "tracing": False}]
+        views = Views(self.source.get(), self.source.rates)
+        if parts == ["overview"]:
+            return 200, views.overview()
+        if parts[:1] == ["nodes"] and len(parts) <= 2:
+            nodes = views.nodes()
+            if len(parts) == 2:
+                found = [n for n in nodes if n["name"] == parts[1]]
+                return (200, found[0]) if found else (404, NOT_FOUND)
+            return 200, nodes
+        if parts[:1] in (["connections"], ["channels"]) and len(parts) <= 2:
+            rows = views.connections() if parts[0] == "connections" else views.channels()
+            if len(parts) == 2:
+                found = [r for r in rows if r["name"] == parts[1]]
+                return (200, found[0]) if found else (404, NOT_FOUND)
+            return 200, rows
+        if parts[:1] == ["queues"] and len(parts) <= 3:
+            if len(parts) == 3:
+                found = views.find_queue(parts[1], parts[2])
+                return (200, found) if found is not None else (404, NOT_FOUND)
+            return 200, [q for q in views.queues() if len(parts) == 1 or q["vhost"] == parts[1]]
+        if parts[:1] == ["consumers"] and len(parts) <= 2:
+            return 200, [c for c in views.consumers() if len(parts) == 1 or c["queue"]["vhost"] == parts[1]]
+        if parts in (["health", "checks", "alarms"], ["health", "checks", "local-alarms"]):
+            return views.health_alarms("cluster" if parts[2] == "alarms" else "node")
+        if parts == ["creditflow", "processes"]:
+            return 200, views.processes_view()
+        if parts == ["creditflow", "links"]:
+            return 200, views.links_view()
+        return 404, NOT_FOUND
+
+    def metrics(self) -> tuple[int, dict, bytes]:
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+        from pipeline.management.metrics import StatusCollector
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(StatusCollector(self.source.get))
+        return 200, {"Content-Type": CONTENT_TYPE_LATEST}, generate_latest(registry)
+
+
+def _json(body) -> bytes:
+    return json.dumps(body, separators=(",", ":"), default=str).encode()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "creditflow-management"
+    timeout = CLIENT_TIMEOUT_S
+
+    def do_GET(self) -> None:
+        self.answer(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self.answer(send_body=False)
+
+    def answer(self, send_body: bool) -> None:
+        url = urlsplit(self.path)
+        code, headers, body = self.server.app.handle(url.path, url.query, self.headers.get("Authorization"))
+        self.send_response(code)
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def log_message(self, format, *args) -> None:      # noqa: A002  (the broker's log is for the broker)
+        pass
+
+
+class ManagementProcess:
+    """What the supervisor forks: serves on ``listen_fd`` until told to stop (or the supervisor is gone)."""
+
+    def __init__(self, ctl: socket.socket, listen_fd: int, ctl_path: str, users: dict[str, str]) -> None:
+        self.ctl = ctl
+        self.listen_fd = listen_fd
+        self.ctl_path = ctl_path
+        self.users = dict(users)
+
+    def run(self) -> int:
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
+        server.socket.close()
+        server.socket = socket.socket(fileno=self.listen_fd)
+        server.server_address = server.socket.getsockname()[:2]
+        server.daemon_threads = True
+        server.app = App(StatusSource(self.ctl_path), self.users)
+        threading.Thread(target=self.watch_supervisor, args=(server,), daemon=True).start()
+        server.serve_forever(poll_interval=0.5)
+        server.socket.close()
+        return 0
+
+    def watch_supervisor(self, server: ThreadingHTTPServer) -> None:
+        """A ``stop`` from the supervisor, or its end of the control socket closing, ends serving."""
+        while True:
+            try:
+                msg, fds = control.recv_msg(self.ctl)
+            except CorruptRecord:
+                continue
+            except (PeerGone, OSError):
+                break
+            for fd in fds:
+                os.close(fd)
+            if msg.get("type") == "stop":
+                break
+        server.shutdown()

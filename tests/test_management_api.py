@@ -1,0 +1,270 @@
+"""The management API subset: pure views of a status, then a real broker answering over HTTP, and
+``creditflow ctl list_*`` printing the same views as rabbitmqctl does."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, creditflow_cmd
+from pipeline.management.views import (RateBook, UnknownColumn, Views, list_rows, retire, select_columns)
+
+NODE = "creditflow@localhost"
+
+
+def proc(kind: str, **fields) -> dict:
+    return {"kind": kind, "alive": True, "state": "running", "pid": 10, "seconds": {"running": 1.0, "total": 1.0},
+            "blocked_total_ns": 0, "links": {}, **fields}
+
+
+def status(now_ns: int = 10**12, *, publish: int = 0, alarms=None, queue_state="running", **extra) -> dict:
+    return {
+        "node": NODE, "pid": 1, "port": 5672, "now_ns": now_ns, "alarms": alarms or {},
+        "fd": {"used": 40, "limit": 1024, "alarm": False},
+        "processes": {
+            "reader-1": proc("reader", conn_state="flow", channels=1, client_name="app", publishes=publish,
+                             peer="127.0.0.1:50712 -> 127.0.0.1:5672"),
+            "channel-1.1": proc("channel", number=1, routed=publish, unroutable=0, returned=0, unconfirmed=2,
+                                confirm_mode="confirm", owner="reader-1", state="flow", blocked=True,
+                                blocked_by=["queue-q1"], blocked_total_ns=1_500_000_000,
+                                seconds={"running": 1.0, "flow": 2.0, "total": 3.0}),
+            "queue-q1": proc("queue", queue="q1", messages=7, unacked=3, consumers=2, enqueued=publish,
+                             delivered=5, acked=2, message_bytes=700, state=queue_state),
+            "watchdog": proc("watchdog", memory_used=100, memory_limit=1000, disk_free=5000, disk_limit=50,
+                             strategy="rss"),
+        },
+        "links": {"reader-1->channel-1.1": {"sent": publish, "in_flight": 4, "credit": 396, "max_in_flight": 9},
+                  "channel-1.1->reader-1": {"sent": 0, "in_flight": 0, "credit": None}},
+        "queues": {"q1": {"proc": "queue-q1", "durable": True, "down": False, "exclusive": False,
+                          "auto_delete": False, "arguments": {"x-max-length": 1000}}},
+        "routing": {"exchanges": 6}, **extra,
+    }
+
+
+# -- pure -----------------------------------------------------------------------------------------------------
+def test_objects_carry_rabbitmqs_names_and_the_process_behind_them():
+    v = Views(status(publish=10))
+    conn, = v.connections()
+    assert conn["name"] == "127.0.0.1:50712 -> 127.0.0.1:5672" and conn["state"] == "flow"
+    assert (conn["peer_host"], conn["peer_port"], conn["port"]) == ("127.0.0.1", 50712, 5672)
+    assert conn["client_properties"] == {"connection_name": "app"} and conn["creditflow"]["process"] == "reader-1"
+    chan, = v.channels()
+    assert chan["name"] == "127.0.0.1:50712 -> 127.0.0.1:5672 (1)" and chan["confirm"] is True
+    assert chan["connection_details"]["name"] == conn["name"] and chan["messages_unconfirmed"] == 2
+    assert chan["creditflow"]["blocked_by"] == ["queue-q1"] and chan["creditflow"]["flow_seconds"] == 2.0
+    assert chan["message_stats"]["confirm"] == 8                  # 10 published, 2 still unconfirmed
+    q, = v.queues()
+    assert (q["messages"], q["messages_ready"], q["messages_unacknowledged"], q["consumers"]) == (10, 7, 3, 2)
+    assert q["arguments"] == {"x-max-length": 1000} and q["message_stats"]["publish"] == 10
+    assert len(v.consumers()) == 2
+    o = v.overview()
+    assert o["object_totals"] == {"connections": 1, "channels": 1, "queues": 1, "consumers": 2, "exchanges": 7}
+    assert o["queue_totals"]["messages"] == 10 and o["message_stats"]["publish"] == 10
+    node, = v.nodes()
+    assert (node["mem_used"], node["mem_limit"], node["disk_free"], node["fd_total"]) == (100, 1000, 5000, 1024)
+    link = next(lk for lk in v.links_view() if lk["sender"] == "reader-1")
+    assert (link["receiver"], link["credit"], link["in_flight"]) == ("channel-1.1", 396, 4)
+
+
+def test_health_checks_answer_as_rabbitmq_3_10_does():
+    assert Views(status()).health_alarms("cluster") == (200, {"status": "ok"})
+    alarmed = Views(status(alarms={"memory": {"state": "set"}, "disk": {"state": "clear"}}))
+    assert alarmed.health_alarms("cluster") == (503, {
+        "status": "failed", "reason": "There are alarms in effect in the cluster",
+        "alarms": [{"node": NODE, "resource": "memory"}]})
+    assert alarmed.health_alarms("node")[1]["reason"] == "There are alarms in effect on the node"
+    assert alarmed.nodes()[0]["mem_alarm"] is True and alarmed.nodes()[0]["disk_free_alarm"] is False
+
+
+def test_rates_come_from_successive_samples_at_least_a_second_apart():
+    rates = RateBook()
+    for i, t in enumerate((0.0, 0.5, 1.0, 1.5, 2.0)):
+        s = status(int(t * 1e9), publish=1000 * i)
+        rates.observe(t, s)
+    v = Views(s, rates)
+    assert v.overview()["message_stats"]["publish_details"]["rate"] == 2000.0     # 2000 more in 1.0 s
+    assert v.queues()[0]["message_stats"]["publish_details"]["rate"] == 2000.0
+    assert Views(s).overview()["message_stats"]["publish_details"]["rate"] == 0.0  # no samples: 0
+
+
+def test_counters_of_ended_processes_are_kept_so_totals_never_fall():
+    retired: dict = {}
+    before = status(publish=10)
+    retire(retired, "channel", before["processes"]["channel-1.1"])
+    retire(retired, "queue", before["processes"]["queue-q1"])
+    after = status(publish=0, retired=retired)
+    for name in ("channel-1.1", "queue-q1"):
+        after["processes"][name]["alive"] = False
+    totals = Views(after).totals()
+    assert (totals["publish"], totals["confirm"], totals["deliver_get"], totals["ack"]) == (10, 8, 5, 2)
+
+
+def test_columns_select_nested_fields_and_list_rows_refuse_unknown_ones():
+    q = Views(status(publish=3)).queues()
+    assert select_columns(q, ["name", "message_stats.publish", "nope"]) == [
+        {"name": "q1", "message_stats": {"publish": 3}}]
+    rows = list_rows(Views(status()), "queues", ["name", "state", "messages", "durable", "arguments"])
+    assert rows == [["name", "state", "messages", "durable", "arguments"],
+                    ["q1", "running", 10, True, {"x-max-length": 1000}]]
+    assert list_rows(Views(status()), "connections", [])[0] == ["user", "peer_host", "peer_port", "state"]
+    with pytest.raises(UnknownColumn, match="Info key\\(s\\) bogus are not supported"):
+        list_rows(Views(status()), "channels", ["name", "bogus"])
+
+
+# -- a real broker ---------------------------------------------------------------------------------------------
+def get(port: int, path: str, auth=("guest", "guest")):
+    """(status code, parsed JSON or raw bytes, headers)."""
+    headers = {}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            body, code, got = answer.read(), answer.status, answer.headers
+    except urllib.error.HTTPError as exc:
+        body, code, got = exc.read(), exc.code, exc.headers
+    try:
+        return code, json.loads(body), got
+    except ValueError:
+        return code, body, got
+
+
+def wait_until(fn, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def ctl(broker, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(creditflow_cmd("ctl", "--data-dir", str(broker.data_dir), *args), capture_output=True,
+                          text=True, cwd=ROOT, timeout=30)
+
+
+@pytest.mark.processes
+def test_the_api_serves_a_live_broker_with_auth_health_checks_and_ctl_lists(start_broker):
+    import pika
+    broker = start_broker("--user", "alice:s3cret")
+    port = broker.info["management_port"]
+    assert port and port != broker.port
+
+    code, body, headers = get(port, "/api/overview", auth=None)
+    assert code == 401 and headers["WWW-Authenticate"] == 'Basic realm="RabbitMQ Management"'
+    assert get(port, "/api/overview", auth=("guest", "wrong"))[:2] == (
+        401, {"error": "not_authorized", "reason": "Login failed"})
+    assert get(port, "/api/whoami", auth=("alice", "s3cret"))[1] == {"name": "alice", "tags": ["administrator"]}
+
+    conn = pika.BlockingConnection(pika.ConnectionParameters(port=broker.port, client_properties={
+        "connection_name": "api-test"}))
+    try:
+        pub = conn.channel()
+        pub.confirm_delivery()
+        pub.queue_declare("api-q", durable=True, arguments={"x-max-length": 1000})
+        for _ in range(20):
+            pub.basic_publish("", "api-q", b"x" * 100)
+        sub = conn.channel()
+        sub.basic_qos(prefetch_count=5)
+        sub.basic_consume("api-q", lambda *a: None)
+        conn.process_data_events(0.5)
+
+        def queue_settled():
+            code, q, _ = get(port, "/api/queues/%2F/api-q")
+            return q if code == 200 and q["messages_unacknowledged"] == 5 and q["consumers"] == 1 else None
+        q = wait_until(queue_settled, what="the queue's consumer and 5 unacked")
+        assert (q["name"], q["vhost"], q["state"], q["messages"], q["messages_ready"]) == ("api-q", "/", "running",
+                                                                                         20, 15)
+        assert q["durable"] is True and q["auto_delete"] is False and q["arguments"] == {"x-max-length": 1000}
+        assert q["message_stats"]["publish"] == 20 and q["message_stats"]["deliver_get"] == 5
+        assert "rate" in q["message_stats"]["publish_details"] and "memory" in q
+        assert get(port, "/api/queues/%2F/nope")[:2] == (404, {"error": "Object Not Found", "reason": "Not Found"})
+
+        o = get(port, "/api/overview")[1]
+        assert o["object_totals"]["connections"] == 1 and o["object_totals"]["queues"] == 1
+        assert o["queue_totals"]["messages"] == 20 and o["message_stats"]["publish"] == 20
+        assert o["node"] == o["cluster_name"] and o["rabbitmq_version"]
+        node, = get(port, "/api/nodes")[1]
+        for field in ("name", "mem_used", "mem_limit", "mem_alarm", "disk_free", "disk_free_limit",
+                      "disk_free_alarm", "fd_used", "fd_total", "proc_used", "running"):
+            assert node[field] is not None, field
+        c, = get(port, "/api/connections")[1]
+        assert c["state"] == "running" and c["channels"] == 2 and c["user_provided_name"] == "api-test"
+        assert c["name"].endswith(f"-> 127.0.0.1:{broker.port}") and c["vhost"] == "/"
+        chans = get(port, "/api/channels?columns=name,confirm,connection_details.name,creditflow.process")[1]
+        assert sorted(ch["confirm"] for ch in chans) == [False, True]
+        assert all(ch["connection_details"]["name"] == c["name"] and ch["name"].startswith(c["name"] + " (")
+                   for ch in chans)
+        assert all(set(ch) == {"name", "confirm", "connection_details", "creditflow"} for ch in chans)
+        assert len(get(port, "/api/consumers")[1]) == 1
+        procs = get(port, "/api/creditflow/processes")[1]
+        assert {p["kind"] for p in procs} >= {"reader", "channel", "queue", "store"}
+        assert any(lk["credit"] is not None for lk in get(port, "/api/creditflow/links")[1])
+
+        listed = ctl(broker, "list_queues", "name", "state", "messages", "durable", "arguments")
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.splitlines() == ["Listing queues for vhost / ...", "name\tstate\tmessages\tdurable\t"
+                                              "arguments", 'api-q\trunning\t20\ttrue\t{"x-max-length":1000}']
+        listed = ctl(broker, "-q", "list-connections", "name", "state", "channels")
+        assert listed.stdout.splitlines() == ["name\tstate\tchannels", f"{c['name']}\trunning\t2"]
+        listed = ctl(broker, "list_channels", "name", "state", "confirm")
+        assert sorted(listed.stdout.splitlines()[2:]) == [f"{c['name']} (1)\trunning\ttrue",
+                                                          f"{c['name']} (2)\trunning\tfalse"]
+        bad = ctl(broker, "list_channels", "name", "bogus")
+        assert bad.returncode == 2 and "bogus" in bad.stderr
+    finally:
+        conn.close()
+
+    for path in ("/api/health/checks/alarms", "/api/health/checks/local-alarms"):
+        assert get(port, path)[:2] == (200, {"status": "ok"})
+    assert ctl(broker, "set-watermark", "0").returncode == 0
+    code, body, _ = wait_until(lambda: (r := get(port, "/api/health/checks/alarms"))[0] == 503 and r,
+                               what="the alarm health check to fail")
+    assert body == {"status": "failed", "reason": "There are alarms in effect in the cluster",
+                    "alarms": [{"node": broker.info["node"], "resource": "memory"}]}
+    assert get(port, "/api/health/checks/local-alarms")[1]["reason"] == "There are alarms in effect on the node"
+    assert get(port, "/api/nodes")[1][0]["mem_alarm"] is True
+    assert ctl(broker, "set-watermark", "0.6").returncode == 0
+    wait_until(lambda: get(port, "/api/health/checks/alarms")[0] == 200, what="the alarm to clear")
+
+
+@pytest.mark.processes
+def test_a_dead_management_process_is_restarted_on_the_same_port(start_broker):
+    broker = start_broker()
+    port = broker.info["management_port"]
+    assert get(port, "/api/whoami")[0] == 200
+    from pipeline.ctlclient import CtlClient
+    with CtlClient(str(broker.data_dir)) as client:
+        assert client.request("kill", name="management")["ok"]
+    status = broker.wait_for(lambda s: any(d["name"] == "management" and d.get("restarted_pid")
+                                           for d in s["deaths"]), what="the management process's restart")
+    death, = [d for d in status["deaths"] if d["name"] == "management"]
+    assert death["action"] == "restart"
+    wait_until(lambda: _answers(port), what="the restarted API to answer")
+    assert "Restarting crashed management listener" in broker.output()
+
+
+def _answers(port: int) -> bool:
+    try:
+        return get(port, "/api/whoami")[0] == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.processes
+def test_management_port_off_and_in_use(start_broker, tmp_path):
+    broker = start_broker("--management-port", "off")
+    assert broker.info["management_port"] is None
+    taken = broker.port                          # the AMQP port: certainly taken
+    out = subprocess.run(creditflow_cmd("serve", "--port", "0", "--management-port", str(taken), "--data-dir",
+                                        str(tmp_path / "other")), capture_output=True, text=True, cwd=ROOT,
+                         timeout=30)
+    assert out.returncode == 4 and f"management port {taken} is already in use" in out.stderr
