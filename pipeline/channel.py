@@ -43,6 +43,7 @@ from pipeline.broker.confirms import ACK, COMMIT_OK, NACK, Confirms
 from pipeline.broker.definitions import arguments_to_json
 from pipeline.broker.routing import RoutingTable
 from pipeline.stage import Stage, read_batch_for
+from pipeline.telemetry.schema import ChannelStats
 
 # AMQP 0-9-1's hard errors: the connection is closed, not just the channel
 HARD_ERROR_CODES = frozenset((320, 402, 501, 502, 503, 504, 505, 506, 530, 540, 541))
@@ -676,11 +677,11 @@ class Channel(Stage):
                                                  f"consumer{'s' if len(tags) > 1 else ''} "
                                                  f"{', '.join(tags)} cancelled"))
 
-    def extra_stats(self, now_ns: int) -> dict:
+    def statistics(self, now_ns: int) -> ChannelStats:
         cs = self.confirms.statistics()
-        return {"number": self.number, "routed": self.routed, "unroutable": self.unroutable,
-                "returned": self.returned, "unconfirmed": cs.unconfirmed, "confirms_sent": cs.ack_frames,
-                "nacks_sent": cs.nack_frames, "confirm_mode": cs.mode}
+        return ChannelStats(**self.stage_fields(now_ns), number=self.number, routed=self.routed,
+                            unroutable=self.unroutable, returned=self.returned, unconfirmed=cs.unconfirmed,
+                            confirms_sent=cs.ack_frames, nacks_sent=cs.nack_frames, confirm_mode=cs.mode)
 
 
 def shown(name) -> str:

@@ -42,6 +42,7 @@ from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, 
 from pipeline.broker.routing import RoutingTable
 from pipeline.journal import QueueJournal, read_store_bodies
 from pipeline.stage import Stage, read_batch_for
+from pipeline.telemetry.schema import QueueStats
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
@@ -758,17 +759,15 @@ class Queue(Stage):
             self.journal.close()
         super().shutdown()
 
-    def extra_stats(self, now_ns: int) -> dict:
+    def statistics(self, now_ns: int) -> QueueStats:
         st = self.core.statistics()
-        return {"queue": self.queue, "durable": self.durable, "messages": st.messages_ready,
-                "journal_full": self.journal_full_since_ns is not None,
-                "unacked": st.messages_unacknowledged, "message_bytes": st.message_bytes_ready,
-                "consumers": st.consumers, "enqueued": st.published + st.restored, "delivered": st.delivered,
-                "redelivered": st.redelivered, "acked": st.acked, "expired": st.expired,
-                "dead_lettered": st.dead_lettered, "dropped": st.dropped, "rejected": st.rejected,
-                "purged": st.purged, "stored": self.stored, "awaiting_confirm": st.unconfirmed,
-                "recovered": self.recovered, "paging": self.paging,
-                "paged_messages": self.pages.count if self.pages else 0,     # records in the page file, ready or unacked
-                "paged_out": self.paged_out,
-                "paged_in": self.paged_in, "store_resent": self.store_resent, "journal_fsyncs": self.journal_fsyncs,
-                "dead_letters_sent": self.dl_sent, "dead_letter_cycles": self.dl_cycles}
+        return QueueStats(
+            **self.stage_fields(now_ns), queue=self.queue, durable=self.durable, messages=st.messages_ready,
+            journal_full=self.journal_full_since_ns is not None, unacked=st.messages_unacknowledged,
+            message_bytes=st.message_bytes_ready, consumers=st.consumers, enqueued=st.published + st.restored,
+            delivered=st.delivered, redelivered=st.redelivered, acked=st.acked, expired=st.expired,
+            dead_lettered=st.dead_lettered, dropped=st.dropped, rejected=st.rejected, purged=st.purged,
+            stored=self.stored, awaiting_confirm=st.unconfirmed, recovered=self.recovered, paging=self.paging,
+            paged_messages=self.pages.count if self.pages else 0, paged_out=self.paged_out,
+            paged_in=self.paged_in, store_resent=self.store_resent, journal_fsyncs=self.journal_fsyncs,
+            dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles)

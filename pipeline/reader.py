@@ -30,6 +30,7 @@ from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen,
                                       ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
+from pipeline.telemetry.schema import NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 RECV_BYTES = 128 * 1024
@@ -423,8 +424,8 @@ class Reader(Stage):
     def notify(self, notices) -> None:
         for notice in notices:
             sent = self.conn.send_blocked(notice.reason) if notice.blocked else self.conn.send_unblocked()
-            self.state_changes.append((time.monotonic_ns(), "blocked" if notice.blocked else "unblocked",
-                                       notice.reason, sent))
+            self.state_changes.append(NoticeSent(time.monotonic_ns(), "blocked" if notice.blocked else "unblocked",
+                                                 notice.reason, sent))
             self.dirty = True
 
     # -- records from channels and queues ----------------------------------------
@@ -592,16 +593,16 @@ class Reader(Stage):
     def state_key(self):
         return (self.credit.blocked, self.throttle.reported_state())
 
-    def extra_stats(self, now_ns: int) -> dict:
-        return {"conn_state": self.throttle.reported_state(), "publishes": self.publishes,
-                "last_publish_ns": self.last_publish_ns, "stopped_reading_ns": self.stopped_reading_ns,
-                "first_publish_ns": self.first_publish_ns, "first_stop_ns": self.first_stop_ns,
-                "resumed_ns": self.resumed_ns, "first_publish_after_resume_ns": self.first_publish_after_resume_ns,
-                "deliveries": self.deliveries, "channels": len(self.channels),
-                "client_name": str(self.conn.client_properties.get("connection_name", "")),
-                "alarm_reasons": sorted(self.throttle.reasons - {FLOW}),
-                "notices": [list(n) for n in self.state_changes[-20:]],
-                "unparsed_bytes": self.conn.buffered_bytes()}
+    def statistics(self, now_ns: int) -> ReaderStats:
+        return ReaderStats(
+            **self.stage_fields(now_ns), conn_state=self.throttle.reported_state(), publishes=self.publishes,
+            deliveries=self.deliveries, first_publish_ns=self.first_publish_ns,
+            last_publish_ns=self.last_publish_ns, stopped_reading_ns=self.stopped_reading_ns,
+            first_stop_ns=self.first_stop_ns, resumed_ns=self.resumed_ns,
+            first_publish_after_resume_ns=self.first_publish_after_resume_ns, channels=len(self.channels),
+            client_name=str(self.conn.client_properties.get("connection_name", "")),
+            alarm_reasons=tuple(sorted(self.throttle.reasons - {FLOW})),
+            notices=tuple(self.state_changes[-20:]), unparsed_bytes=self.conn.buffered_bytes())
 
     def shutdown(self) -> None:
         try:

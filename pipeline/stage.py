@@ -13,13 +13,17 @@ tokens on the sender's inbox. Credit is counted per link id on both ends, so
 ``CreditFlow`` keys are link ids. A stage sleeps in ``select`` until one of
 its endpoints has something; it pushes ``statistics`` to the supervisor at
 most every ``STATS_INTERVAL_MS`` while busy, at once on a block or unblock,
-and once more when it goes idle.
+and once more when it goes idle. ``statistics`` returns the stage's frozen
+dataclass of :mod:`pipeline.telemetry.schema` (``StageStats`` and a subclass
+per kind); the message is its ``to_dict()``, cut to the busiest links when
+it would not fit a control message (``busiest_links``).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import os
 import select
 import selectors
@@ -30,6 +34,7 @@ from ipc.credit import CreditFlow, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
+from pipeline.telemetry.schema import LinkStats, StageStats
 
 STATS_INTERVAL_MS = 100
 STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not more often than this
@@ -44,13 +49,12 @@ DISK_NUDGE_BYTES = 1024 * 1024
 STATS_LINKS_KEPT = 100          # a snapshot too big for a control message keeps this many links
 
 
-def busiest_links(stats: dict, keep: int) -> dict:
+def busiest_links(stats: StageStats, keep: int) -> StageStats:
     """``stats`` with only the ``keep`` links that have the most in flight (then the most ever in
     flight); ``links_omitted`` says how many were left out."""
-    links = stats.get("links") or {}
-    kept = sorted(links.items(), key=lambda kv: (-kv[1].get("in_flight", 0), -kv[1].get("max_in_flight", 0),
-                                                 kv[0]))[:keep]
-    return {**stats, "links": dict(kept), "links_omitted": len(links) - len(kept)}
+    links = stats.links
+    kept = sorted(links.items(), key=lambda kv: (-kv[1].in_flight, -kv[1].max_in_flight, kv[0]))[:keep]
+    return dataclasses.replace(stats, links=dict(kept), links_omitted=len(links) - len(kept))
 
 
 def _load_malloc_trim():
@@ -315,9 +319,6 @@ class Stage:
         """Subclass deadline (seconds from now) or None."""
         return None
 
-    def extra_stats(self, now_ns: int) -> dict:
-        return {}
-
     # -- plumbing --------------------------------------------------------------
     def send_grants(self, grants) -> None:
         for grant in grants:
@@ -457,27 +458,25 @@ class Stage:
             if link.staged or link.overflow:
                 link.flush()
 
-    def statistics(self, now_ns: int) -> dict:
+    def statistics(self, now_ns: int) -> StageStats:
+        """This stage's snapshot: a subclass returns its kind's class, built on ``stage_fields``."""
+        return StageStats(**self.stage_fields(now_ns))
+
+    def stage_fields(self, now_ns: int) -> dict:
+        """The fields of :class:`StageStats` every stage has, as keyword arguments."""
         cs = self.credit.statistics(now_ns)
         links = {}
         for link in self.out_links.values():
             rs = link.ring.statistics()
-            links[f"{self.name}->{link.peer}"] = {
-                "sent": link.messages, "records": link.records,
-                "in_flight": rs.in_flight + len(link.overflow),
-                "max_in_flight": rs.max_in_flight, "overflow": len(link.overflow),
-                "credit": self.credit.credit_towards(link.link_id) if link.flow else None,
-            }
-        stats = {
-            "type": "stats", "name": self.name, "kind": self.kind, "pid": os.getpid(), "at_ns": now_ns,
-            "blocked": cs.blocked, "block_started_ns": cs.block_started_ns,
-            "blocked_total_ns": cs.blocked_total_ns, "block_count": cs.block_count,
-            "deferred_grants": cs.deferred_grants, "state": cs.state, "trims": self.trims,
-            "blocked_by": [self._peer_of(key) for key in cs.blocked_by],
-            "links": links,
-        }
-        stats.update(self.extra_stats(now_ns))
-        return stats
+            links[f"{self.name}->{link.peer}"] = LinkStats(
+                sent=link.messages, records=link.records, in_flight=rs.in_flight + len(link.overflow),
+                max_in_flight=rs.max_in_flight, overflow=len(link.overflow),
+                credit=self.credit.credit_towards(link.link_id) if link.flow else None)
+        return dict(name=self.name, kind=self.kind, pid=os.getpid(), at_ns=now_ns, state=cs.state,
+                    blocked=cs.blocked, block_started_ns=cs.block_started_ns,
+                    blocked_total_ns=cs.blocked_total_ns, block_count=cs.block_count,
+                    deferred_grants=cs.deferred_grants, trims=self.trims,
+                    blocked_by=tuple(self._peer_of(key) for key in cs.blocked_by), links=links)
 
     def _peer_of(self, link_id) -> str:
         link = self.out_links.get(link_id) or self.in_links.get(link_id)
@@ -487,9 +486,9 @@ class Stage:
         stats = self.statistics(now_ns)
         try:
             try:
-                control.send_msg(self.ctl, stats)
+                control.send_msg(self.ctl, {"type": "stats", **stats.to_dict()})
             except control.MessageTooLarge:      # links to hundreds of queues: keep the busiest
-                control.send_msg(self.ctl, busiest_links(stats, STATS_LINKS_KEPT))
+                control.send_msg(self.ctl, {"type": "stats", **busiest_links(stats, STATS_LINKS_KEPT).to_dict()})
         except (OSError, PeerGone):
             self.running = False
         self.last_stats_ns = now_ns

@@ -19,7 +19,6 @@ the writes and their fsync succeed; then the withheld confirms go out.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from pipeline import wire
@@ -28,6 +27,7 @@ from pipeline.stage import READ_BATCH_RECORDS, Stage, read_batch_for
 from pipeline.journal import held_store_ids
 from pipeline.storage.errors import DiskFull
 from pipeline.storage.segments import FILE_SIZE_LIMIT_BYTES, SYNC_INTERVAL_MS, SegmentStore
+from pipeline.telemetry.schema import StoreStats
 
 COLLECT_INTERVAL_NS = 1_000_000_000     # look for garbage at most once a second after removals
 DISK_FULL_RETRY_NS = 1_000_000_000      # a full disk: try the held writes again this often
@@ -188,13 +188,15 @@ class Store(Stage):
         self.segments.close()
         super().shutdown()
 
-    def extra_stats(self, now_ns: int) -> dict:
+    def statistics(self, now_ns: int) -> StoreStats:
+        """The snapshot; the fsyncs since the last one travel with it (``fsync_events``) and are forgotten."""
         events, self.fsync_events = self.fsync_events, []
-        return {"writes": self.writes, "removes": self.removes, "fsyncs": self.fsyncs, "adopted": self.adopted,
-                "disk_full": self.disk_full_since_ns is not None, "disk_full_episodes": self.disk_full_episodes,
-                "held_writes": self.segments.held(),
-                "fsync_ms_total": self.fsync_ns_total / 1e6, "fsync_events": events,
-                "segments": dataclasses.asdict(self.segments.statistics())}
+        return StoreStats(
+            **self.stage_fields(now_ns), writes=self.writes, removes=self.removes, fsyncs=self.fsyncs,
+            adopted=self.adopted, disk_full=self.disk_full_since_ns is not None,
+            disk_full_episodes=self.disk_full_episodes, held_writes=self.segments.held(),
+            fsync_ms_total=self.fsync_ns_total / 1e6, segments=self.segments.statistics(),
+            fsync_events=tuple(events))
 
 
 __all__ = ["Store", "READ_BATCH_RECORDS"]

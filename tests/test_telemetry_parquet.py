@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import ROOT
-from pipeline import telemetry_parquet as tp
+from pipeline.telemetry import parquet as tp
 from pipeline.telemetry import Recorder
 from test_report import write_run
 
@@ -39,11 +39,13 @@ def stats_rows() -> list[dict]:
     return [
         {"name": "reader-1", "kind": "reader", "pid": 11, "at_ns": T0_NS, "state": "flow", "blocked": True,
          "block_count": 1, "blocked_total_ns": 5_000_000, "publishes": 400, "first_publish_ns": T0_NS - 9,
-         "unknown_field": {"nested": [1, 2]}, "conn_state": "flow",
+         "unknown_field": {"nested": [1, 2]}, "conn_state": "flow", "alarm_reasons": ["memory"],
+         "notices": [[T0_NS - 5, "blocked", "low on memory", True], [T0_NS - 2, "unblocked", None, False]],
          "links": {"reader-1->channel-1.1": link(400, 0)}},
         {"name": "queue-q", "kind": "queue", "pid": 12, "at_ns": T0_NS + 100_000_000, "messages": 7,
          "links": {"queue-q->store": link(10), "queue-q->reader-2": link(9, None)}},
         {"name": "store", "kind": "store", "pid": 13, "at_ns": T0_NS + 200_000_000, "fsyncs": 2,
+         "fsync_ms_total": 2.1, "segments": {"files": 1, "live_bytes": 4096},
          "fsync_events": [[T0_NS + 150_000_000, 1_200_000], [T0_NS + 190_000_000, 900_000]], "links": {}},
         {"name": "watchdog", "kind": "watchdog", "pid": 14, "at_ns": T0_NS + 300_000_000,
          "memory_used": 3 << 30, "memory_limit": 4 << 30, "memory_alarm": False, "disk_free": 9 << 40,
@@ -111,6 +113,8 @@ def test_compact_converts_each_file_skips_a_torn_line_and_deletes_the_jsonl(tmp_
     assert sorted(os.listdir(tele)) == ["events.parquet", "states.parquet", "stats.parquet"]
     assert {n: r["rows"] for n, r in results.items()} == {"stats": 4, "states": 10, "events": 4}
     assert results["stats"]["skipped_lines"] == 1 and results["states"]["skipped_lines"] == 0
+    # what no statistics class defines is named, not kept (the Recorder never writes fsync_events)
+    assert results["stats"]["dropped_fields"] == ["fsync_events", "unknown_field"]
     for name, r in results.items():
         assert r["jsonl_bytes"] == sizes[name]
         assert r["parquet_bytes"] == (tele / f"{name}.parquet").stat().st_size > 0
@@ -118,16 +122,17 @@ def test_compact_converts_each_file_skips_a_torn_line_and_deletes_the_jsonl(tmp_
 
     stats = pq.read_table(tele / "stats.parquet")
     assert stats.schema.equals(tp.STATS_SCHEMA)
-    assert "unknown_field" not in stats.column_names
+    assert "unknown_field" not in stats.column_names and "extra" not in stats.column_names
     rows = stats.to_pylist()
-    assert rows[0]["conn_state"] == "flow"
-    assert json.loads(rows[0]["extra"]) == {"unknown_field": {"nested": [1, 2]}}   # kept, as JSON text
-    assert rows[1]["extra"] is None
+    assert rows[0]["conn_state"] == "flow" and rows[0]["alarm_reasons"] == ["memory"]
+    assert rows[0]["notices"] == [{"at_ns": T0_NS - 5, "state": "blocked", "reason": "low on memory", "sent": True},
+                                  {"at_ns": T0_NS - 2, "state": "unblocked", "reason": None, "sent": False}]
     assert [r["at_ns"] for r in rows] == [T0_NS, T0_NS + 100_000_000, T0_NS + 200_000_000, T0_NS + 300_000_000]
     assert dict(rows[0]["links"]) == {"reader-1->channel-1.1": link(400, 0)}
     assert dict(rows[1]["links"])["queue-q->reader-2"]["credit"] is None
     assert rows[1]["publishes"] is None                      # missing -> null
-    assert rows[2]["fsync_events"] == [[T0_NS + 150_000_000, 1_200_000], [T0_NS + 190_000_000, 900_000]]
+    assert rows[2]["fsync_ms_total"] == 2.1 and rows[2]["segments"]["live_bytes"] == 4096
+    assert rows[2]["segments"]["files"] == 1 and rows[2]["segments"]["syncs"] is None
     assert rows[3]["memory_used"] == 3 << 30 and rows[3]["disk_free"] == 9 << 40
 
     events = pq.read_table(tele / "events.parquet").to_pylist()

@@ -24,7 +24,7 @@ from pyspark.sql import Window
 from pyspark.sql import functions as F
 
 from pipeline.analytics.diagnosis import STEADY_SKIP_NS, Diagnosis, diagnose, flow_fractions, members
-from pipeline.analytics.load import RunFrames, pick
+from pipeline.analytics.load import RunFrames
 
 NS_PER_S = 1_000_000_000
 PERCENTILES = ("min", "p50", "p75", "p95", "p99", "max")
@@ -60,14 +60,11 @@ def _seconds(run: RunFrames) -> tuple[list[dict], int | None, int | None]:
     df = run.seconds
     if df is None:
         return [], None, None
-    cols = [pick(df, "time_s", "time", "t_s").alias("t"),
-            pick(df, "at_ns", cast="long").alias("at_ns"),
-            pick(df, "sent_rate", "publish_rate", "sent").alias("sent"),
-            pick(df, "confirmed_rate", "confirm_rate", "confirmed").alias("confirmed"),
-            pick(df, "received_rate", "deliver_rate", "received").alias("received")]
+    cols = [F.col("time_s").alias("t"), F.col("at_ns"), F.col("sent_rate").alias("sent"),
+            F.col("confirmed_rate").alias("confirmed"), F.col("received_rate").alias("received")]
     for group in ("consumer", "confirm"):
         for p in PERCENTILES:
-            cols.append(pick(df, f"{group}.{p}", f"latency_us.{group}.{p}").alias(f"{group}_{p}"))
+            cols.append(F.col(f"{group}.{p}").alias(f"{group}_{p}"))
     rows = [r.asDict() for r in df.select(*cols).where(F.col("t").isNotNull()).orderBy("t").collect()]
     starts = [r["at_ns"] - int(r["t"] * NS_PER_S) for r in rows if r["at_ns"] is not None]
     ends = [r["at_ns"] for r in rows if r["at_ns"] is not None]

@@ -12,20 +12,27 @@ All timestamps are int64 nanoseconds of the machine-wide monotonic clock, so
 the broker's files and the load generator's ``seconds.jsonl`` share one axis.
 
 The broker writes its telemetry as ``NAME.jsonl`` while it runs and compacts
-each into ``NAME.parquet`` when it stops (:mod:`pipeline.telemetry_parquet`,
-whose Arrow schemas are the one definition of these tables; the Spark schemas
-here are derived from them). A broker that was SIGKILLed never compacted, so
-``NAME.jsonl`` is read too: the table is the Parquet file's rows followed by
-the JSONL's (both exist only when a later broker on the same data directory
-was killed), and an empty DataFrame of the schema when neither file exists.
-Either way the DataFrame has exactly the schema's columns, and a JSONL line
-that is no JSON object (a torn last line) is dropped, as compaction drops it.
+each into ``NAME.parquet`` when it stops (:mod:`pipeline.telemetry.parquet`).
+The Spark schemas here are derived from its Arrow schemas, which are derived
+from the statistics classes of :mod:`pipeline.telemetry.schema`: every field a
+stage reports is a column, under the name ``ctl status`` shows. A broker that
+was SIGKILLed never compacted, so ``NAME.jsonl`` is read too: the table is the
+Parquet file's rows followed by the JSONL's (both exist only when a later
+broker on the same data directory was killed), and an empty DataFrame of the
+schema when neither file exists. Either way the DataFrame has exactly the
+schema's columns, and a JSONL line that is no JSON object (a torn last line)
+is dropped, as compaction drops it. A NamedTuple field (a reader's
+``notices``) is a JSON array in the JSONL and a struct in the DataFrame.
 
-The telemetry schemas name only the fields the report uses: a stage that adds
-fields costs nothing, one that drops a field leaves a null column, and no job
-is spent inferring a schema from megabytes of snapshots. ``seconds.jsonl``'s
-field names still move, so its schema lists every known spelling of a field
-and :func:`pick` takes the first that holds a value.
+Runs recorded before the schema was derived kept only the report's columns
+and put every other statistic, as JSON text, in an ``extra`` column of
+``stats.parquet``. They are still read: the columns such a file lacks are
+taken from its ``extra`` (:func:`_read_parquet`), so an old run's report is
+what it was, and its other statistics are columns as in a new run.
+
+``seconds.jsonl`` is the load generator's ``SecondReport``
+(:mod:`pipeline.loadgen.harness`) with the ``at_ns`` the run adds; its schema
+names the fields the report reads, under their one spelling.
 
 With a cluster master the run directory must be on a path every executor can
 read.
@@ -38,19 +45,20 @@ import json
 import os
 from dataclasses import dataclass
 
+import pyarrow.parquet as pq
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type
-from pyspark.sql.types import DoubleType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, StructField, StructType
 
-from pipeline import telemetry_parquet as tables
+from pipeline.telemetry import parquet as tables
 
-# The telemetry tables are defined once, in Arrow, next to the compaction that writes them.
+# The telemetry tables are defined once, by the statistics classes; their Arrow schemas are derived from them.
 LINK_SCHEMA: StructType = from_arrow_type(tables.LINK_TYPE)
 
 
 def _report_columns(schema):
-    """The table's columns the report reads: all but ``extra`` (a JSON line keeps it inline)."""
+    """The table's columns the report reads: all but ``extra`` (an event's JSON line keeps it inline)."""
     return schema.remove(schema.get_field_index(tables.EXTRA)) if tables.EXTRA in schema.names else schema
 
 
@@ -58,22 +66,19 @@ STATS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATS_SCHEMA
 STATES_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATES_SCHEMA))
 EVENTS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.EVENTS_SCHEMA))
 TELEMETRY_SCHEMAS = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
+# Columns whose structs (NamedTuples) travel in JSON as arrays: read as arrays of text, then made structs.
+ARRAY_STRUCTS = {name: frozenset(fns) for name, fns in tables.SHAPERS.items()}
 _CORRUPT = "_corrupt_record"
 
 
 _PERCENTILES_SCHEMA = StructType([StructField(p, DoubleType())
                                   for p in ("count", "min", "p50", "p75", "p95", "p99", "max")])
 
-# The load generator's SecondReport, with the older and alternative spellings of
-# the fields the report reads (a missing spelling is a null column; see SECONDS_SPELLINGS).
+# The fields of the load generator's SecondReport the report reads, and the at_ns a run adds to each line.
 SECONDS_SCHEMA = StructType(
-    [StructField(n, DoubleType()) for n in ("time_s", "time", "t_s", "sent_rate", "publish_rate", "sent",
-                                            "confirmed_rate", "confirm_rate", "confirmed", "received_rate",
-                                            "deliver_rate", "received")]
+    [StructField(n, DoubleType()) for n in ("time_s", "sent_rate", "confirmed_rate", "received_rate")]
     + [StructField("at_ns", LongType()),
-       StructField("consumer", _PERCENTILES_SCHEMA), StructField("confirm", _PERCENTILES_SCHEMA),
-       StructField("latency_us", StructType([StructField("consumer", _PERCENTILES_SCHEMA),
-                                             StructField("confirm", _PERCENTILES_SCHEMA)]))])
+       StructField("consumer", _PERCENTILES_SCHEMA), StructField("confirm", _PERCENTILES_SCHEMA)])
 
 
 class NotARunDirectory(ValueError):
@@ -97,29 +102,73 @@ def _url(path: str) -> str:
     return "file://" + os.path.abspath(path)
 
 
-def _read_jsonl(spark: SparkSession, path: str, schema: StructType) -> DataFrame:
+def _as_text_arrays(schema: StructType, names: frozenset[str]) -> StructType:
+    """``schema`` with the columns ``names`` (arrays of structs) as arrays of arrays of text, the form in
+    which JSON carries a NamedTuple (Spark's JSON reader takes any value as text)."""
+    return StructType([StructField(f.name, ArrayType(ArrayType(StringType()))) if f.name in names else f
+                       for f in schema.fields])
+
+
+def _structs_of_arrays(column: Column, array_type: ArrayType) -> Column:
+    """An array of arrays of text (NamedTuples from JSON) as ``array_type``, an array of structs."""
+    fields = array_type.elementType.fields
+    return F.transform(column, lambda x: F.struct(*[x[i].cast(f.dataType).alias(f.name)
+                                                    for i, f in enumerate(fields)])).cast(array_type)
+
+
+def _select(df: DataFrame, schema: StructType, arrays: frozenset[str]) -> DataFrame:
+    return df.select(*[_structs_of_arrays(F.col(f.name), f.dataType).alias(f.name) if f.name in arrays
+                       else F.col(f.name) for f in schema.fields])
+
+
+def _read_jsonl(spark: SparkSession, path: str, schema: StructType,
+                arrays: frozenset[str] = frozenset()) -> DataFrame:
     """JSON lines read with ``schema``, lines that are no JSON object dropped (as compaction skips them).
 
     Spark reads such a line (a torn last line) as a row of nulls with the line in the corrupt-record
     column; a line with one value of the wrong type also lands there but keeps its other values.
+    ``arrays``: the columns whose structs JSON carries as arrays.
     """
-    with_corrupt = StructType(schema.fields + [StructField(_CORRUPT, StringType())])
+    json_schema = _as_text_arrays(schema, arrays)
+    with_corrupt = StructType(json_schema.fields + [StructField(_CORRUPT, StringType())])
     df = (spark.read.schema(with_corrupt).option("mode", "PERMISSIVE")
           .option("columnNameOfCorruptRecord", _CORRUPT).json(_url(path)))
     nothing_parsed = functools.reduce(lambda a, b: a & b, [F.col(n).isNull() for n in schema.fieldNames()])
-    return df.where(~(F.col(_CORRUPT).isNotNull() & nothing_parsed)).select(*schema.fieldNames())
+    return _select(df.where(~(F.col(_CORRUPT).isNotNull() & nothing_parsed)), schema, arrays)
+
+
+def _read_parquet(spark: SparkSession, path: str, schema: StructType, arrays: frozenset[str],
+                  from_extra: bool) -> DataFrame:
+    """A Parquet table of ``schema``. With ``from_extra`` (stats), a file of before the derived schema
+    has an ``extra`` column of JSON text: the columns the file lacks are taken from there."""
+    in_file = set(pq.read_schema(path).names) if from_extra else set()
+    missing = StructType([f for f in schema.fields if f.name not in in_file])
+    if tables.EXTRA not in in_file or not missing.fields:
+        return spark.read.schema(schema).parquet(_url(path)).select(*schema.fieldNames())
+    df = spark.read.schema(StructType(schema.fields + [StructField(tables.EXTRA, StringType())])).parquet(_url(path))
+    parsed = F.from_json(F.col(tables.EXTRA), _as_text_arrays(missing, arrays))
+    columns = []
+    for f in schema.fields:
+        if f.name in in_file:
+            columns.append(F.col(f.name))
+        elif f.name in arrays:
+            columns.append(_structs_of_arrays(parsed.getField(f.name), f.dataType).alias(f.name))
+        else:
+            columns.append(parsed.getField(f.name).alias(f.name))
+    return df.select(*columns)
 
 
 def _read_telemetry(spark: SparkSession, telemetry_dir: str, name: str) -> DataFrame:
     """``NAME.parquet`` and/or ``NAME.jsonl`` of ``telemetry_dir`` as one DataFrame of NAME's schema."""
     schema = TELEMETRY_SCHEMAS[name]
+    arrays = ARRAY_STRUCTS.get(name, frozenset())
     parts = []
     parquet = os.path.join(telemetry_dir, f"{name}.parquet")
     if os.path.isfile(parquet):
-        parts.append(spark.read.schema(schema).parquet(_url(parquet)).select(*schema.fieldNames()))
+        parts.append(_read_parquet(spark, parquet, schema, arrays, from_extra=name == "stats"))
     jsonl = os.path.join(telemetry_dir, f"{name}.jsonl")
     if os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:
-        parts.append(_read_jsonl(spark, jsonl, schema))
+        parts.append(_read_jsonl(spark, jsonl, schema, arrays))
     if not parts:
         return spark.createDataFrame([], schema)
     return parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
@@ -158,23 +207,5 @@ def load_run(spark: SparkSession, run_dir: str) -> RunFrames:
     )
 
 
-def pick(df: DataFrame, *spellings: str, cast: str = "double") -> Column:
-    """The first non-null of ``spellings`` that ``df``'s schema has, cast; a null column if none."""
-    present = [F.col(name).cast(cast) for name in spellings if has_field(df, name)]
-    if not present:
-        return F.lit(None).cast(cast)
-    return present[0] if len(present) == 1 else F.coalesce(*present)
-
-
-def has_field(df: DataFrame, dotted: str) -> bool:
-    """Whether ``df`` has the (possibly nested, dot-separated) field ``dotted``."""
-    schema = df.schema
-    for part in dotted.split("."):
-        if not isinstance(schema, StructType) or part not in schema.fieldNames():
-            return False
-        schema = schema[part].dataType
-    return True
-
-
-__all__ = ["EVENTS_SCHEMA", "LINK_SCHEMA", "NotARunDirectory", "RunFrames", "STATES_SCHEMA",
-           "SECONDS_SCHEMA", "STATS_SCHEMA", "TELEMETRY_SCHEMAS", "has_field", "load_run", "pick"]
+__all__ = ["ARRAY_STRUCTS", "EVENTS_SCHEMA", "LINK_SCHEMA", "NotARunDirectory", "RunFrames", "STATES_SCHEMA",
+           "SECONDS_SCHEMA", "STATS_SCHEMA", "TELEMETRY_SCHEMAS", "load_run"]

@@ -18,8 +18,11 @@ monotonic clock):
 ``DATA_DIR/broker.log`` holds the log lines. Writes are buffered and flushed
 once a second so tracing stays off the hot path.
 
+A snapshot's row is its message as :mod:`pipeline.telemetry.schema` defines
+it (``row_of``: without ``type`` and the fields that are no column).
+
 When the broker stops, :meth:`Recorder.close` compacts each ``NAME.jsonl``
-into ``NAME.parquet`` (:mod:`pipeline.telemetry_parquet`: int64-ns columns,
+into ``NAME.parquet`` (:mod:`pipeline.telemetry.parquet`: int64-ns columns,
 zstd, the JSONL deleted only once the Parquet file is whole). pyarrow is
 imported only then, after the stages have stopped, so it never adds to the
 memory the broker's alarm measures. If compaction fails the JSONL stays and
@@ -32,6 +35,8 @@ from __future__ import annotations
 import json
 import os
 import time
+
+from pipeline.telemetry.schema import row_of
 
 FLUSH_INTERVAL_S = 1.0
 STATS_ROWS_PER_S = 500          # snapshots written per second, at most, once stages are many
@@ -65,13 +70,13 @@ class Recorder:
             return
         self.held.pop(name, None)
         self.written_ns[name] = now_ns
-        self._put("stats", {k: v for k, v in msg.items() if k not in ("type", "fsync_events")})
+        self._put("stats", row_of(msg))
 
     def stage_ended(self, name: str) -> None:
         """``name`` is gone: its last snapshot is written if it was held, and it is forgotten."""
         msg = self.held.pop(name, None)
         if msg is not None:
-            self._put("stats", {k: v for k, v in msg.items() if k not in ("type", "fsync_events")})
+            self._put("stats", row_of(msg))
         self.written_ns.pop(name, None)
 
     def state(self, now_ns: int, name: str, kind: str | None, state: str) -> None:
@@ -114,8 +119,8 @@ class Recorder:
     def _compact(self) -> None:
         """Turn the closed JSONL files into Parquet; on any failure log it and keep the JSONL."""
         try:
-            from pipeline import telemetry_parquet   # pyarrow: loaded only now, never while the broker runs
-            results = telemetry_parquet.compact(self.dir)
+            from pipeline.telemetry import parquet   # pyarrow: loaded only now, never while the broker runs
+            results = parquet.compact(self.dir)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the JSONL is still there
             self.log("warning", f"telemetry kept as JSON lines: {type(e).__name__}: {e}")
             return
@@ -123,4 +128,6 @@ class Recorder:
             self.log("info", "telemetry compacted to Parquet: " + ", ".join(
                 f"{name} {r['rows']} rows, {r['jsonl_bytes']} -> {r['parquet_bytes']} B in {r['seconds']:.2f} s"
                 + (f", {r['skipped_lines']} unreadable lines skipped" if r["skipped_lines"] else "")
+                + (f", fields no statistics class defines dropped: {', '.join(r['dropped_fields'])}"
+                   if r.get("dropped_fields") else "")
                 for name, r in results.items()))

@@ -18,87 +18,134 @@ reads as before. If ``NAME.parquet`` already exists (the data dir of an
 earlier broker), its rows are copied first, so the new file appends to it as
 the JSONL would have.
 
+The stats table's schema is derived, never written out: its columns are the
+fields of the statistics classes of :mod:`pipeline.telemetry.schema`
+(:func:`arrow_type`: int -> int64, float -> float64, bool, str -> string,
+``X | None`` -> nullable X, tuples and lists -> list, ``dict[str, X]`` -> map,
+a dataclass or NamedTuple -> struct). Every statistic a stage sends is a
+column; a field no class defines is dropped and named in the result
+(``dropped_fields``), which the tests keep empty for every stage.
+
 Conversion rules, the same as the Spark JSON reader's with an explicit schema:
 
 * a line that is not a JSON object (a torn last line after a crash, a line
   glued to one) is skipped and counted (``skipped_lines``);
-* fields the schema does not name go, as JSON text, into the ``extra`` column
-  (stats and events; for an event, the keys of ``data`` its struct does not
-  name too), so every statistic a stage reported is kept; missing fields are
-  null;
+* a NamedTuple (a reader's ``notices``) arrives as a JSON array and becomes a
+  struct; missing fields are null;
+* events keep an ``extra`` column: the keys of ``data`` its struct does not
+  name, as JSON text (events are the supervisor's, not statistics);
 * a value of the wrong type (a string where int64 is due) becomes null and is
   counted (``nulled_values``). Only a chunk that fails conversion as a whole
   is converted row by row, so clean telemetry pays nothing for this.
 
+Stats files written before the schema was derived (the columns the report
+read, everything else as JSON text in an ``extra`` column) are converted
+when a later broker appends to them: ``extra``'s fields fill the
+columns that now hold them (:func:`conform`). The report reads such files
+the same way (``pipeline.analytics.load``).
+
 All timestamps and durations (``*_ns``) are int64 nanoseconds of the
-machine-wide monotonic clock, as in the JSON lines. The schemas below are the
-one definition of the tables: ``pipeline.analytics.load`` derives its Spark
-schemas from them. They name only what the report reads; a stage's other
-statistics are kept in ``extra``.
+machine-wide monotonic clock, as in the JSON lines.
 
 This module imports pyarrow, so only code that runs after the broker's stages
 (``Recorder.close``) or outside the broker (analytics, tests) imports it.
 Cost, measured on the 2-core machine for a 60 s run of 100 B messages (7.0 MB
-of stats.jsonl, 10.7k snapshots, with ``extra``): 0.84 s, part of it pyarrow
-importing pandas (when installed) on its first Python conversion. The Parquet
-files come to about 9% of the JSONL's size (7.3 MB -> 634 kB).
+of stats.jsonl, 10.7k snapshots): 0.84 s, part of it pyarrow importing pandas
+(when installed) on its first Python conversion. The Parquet files come to
+about 9% of the JSONL's size (7.3 MB -> 634 kB).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
 import time
-from typing import BinaryIO, Iterator
+import types
+import typing
+from typing import BinaryIO, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.storage.segments import fsync_directory
+from pipeline.telemetry import schema as stats_schema
+from pipeline.telemetry.schema import LinkStats
 
 CHUNK_LINES = 20_000
-EXTRA = "extra"      # every field a row had beyond its schema's columns, as JSON text
+EXTRA = "extra"      # events: the keys of data its struct does not name, as JSON text; old stats files: all others
 COMPRESSION = "zstd"
 TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
 
-LINK_TYPE = pa.struct([(name, pa.int64())
-                       for name in ("sent", "records", "in_flight", "max_in_flight", "overflow", "credit")])
+_SCALARS = {bool: pa.bool_(), int: pa.int64(), float: pa.float64(), str: pa.string()}
 
-STATS_SCHEMA = pa.schema([
-    ("name", pa.string()),
-    ("kind", pa.string()),
-    ("pid", pa.int64()),
-    ("at_ns", pa.int64()),
-    ("state", pa.string()),
-    ("blocked", pa.bool_()),
-    ("block_count", pa.int64()),
-    ("blocked_total_ns", pa.int64()),
-    ("links", pa.map_(pa.string(), LINK_TYPE)),      # "sender->receiver" -> link statistics
-    # reader
-    ("publishes", pa.int64()),
-    ("deliveries", pa.int64()),
-    ("first_publish_ns", pa.int64()),
-    ("last_publish_ns", pa.int64()),
-    # queue
-    ("messages", pa.int64()),
-    # store
-    ("fsyncs", pa.int64()),
-    ("fsync_events", pa.list_(pa.list_(pa.int64()))),  # [[at_ns, duration_ns], ...]
-    # watchdog
-    ("memory_used", pa.int64()),
-    ("memory_limit", pa.int64()),
-    ("memory_alarm", pa.bool_()),
-    ("disk_free", pa.int64()),
-    ("disk_limit", pa.int64()),
-    ("disk_alarm", pa.bool_()),
-    # state changes: which peers a credit block waits on, and the connection's state
-    ("blocked_by", pa.list_(pa.string())),
-    ("block_started_ns", pa.int64()),
-    ("conn_state", pa.string()),
-    (EXTRA, pa.string()),
-])
+
+def _is_namedtuple(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")
+
+
+def _optional_of(tp):
+    """``X`` for ``X | None`` (``Optional[X]``), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return None
+
+
+def _item_of(tp):
+    """``X`` for ``tuple[X, ...]`` and ``list[X]``, else None."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is list and len(args) == 1:
+        return args[0]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        return args[0]
+    return None
+
+
+def arrow_type(tp) -> pa.DataType:
+    """The Arrow type of a statistics field's Python type (see the module's docstring)."""
+    if tp in _SCALARS:
+        return _SCALARS[tp]
+    inner = _optional_of(tp)
+    if inner is not None:
+        return arrow_type(inner)
+    item = _item_of(tp)
+    if item is not None:
+        return pa.list_(arrow_type(item))
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is dict and len(args) == 2:
+        return pa.map_(arrow_type(args[0]), arrow_type(args[1]))
+    if dataclasses.is_dataclass(tp) or _is_namedtuple(tp):
+        return pa.struct([(name, arrow_type(t)) for name, t in stats_schema.type_hints(tp).items()])
+    raise TypeError(f"no Arrow type for {tp!r}")
+
+
+def _shaper(tp) -> Callable | None:
+    """How a JSON value of type ``tp`` becomes what Arrow takes: a NamedTuple's array becomes a dict."""
+    inner = _optional_of(tp)
+    if inner is not None:
+        return _shaper(inner)
+    if _is_namedtuple(tp):
+        names = tp._fields
+        return lambda v: dict(zip(names, v)) if isinstance(v, (list, tuple)) else v
+    item = _item_of(tp)
+    if item is not None:
+        each = _shaper(item)
+        if each is not None:
+            return lambda v: [each(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return None
+
+
+def shapers(columns) -> dict[str, Callable]:
+    return {name: fn for name, tp in columns if (fn := _shaper(tp)) is not None}
+
+
+LINK_TYPE = arrow_type(LinkStats)
+
+STATS_SCHEMA = pa.schema([(name, arrow_type(tp)) for name, tp in stats_schema.stats_columns()])
 
 STATES_SCHEMA = pa.schema([
     ("at_ns", pa.int64()),
@@ -128,6 +175,7 @@ EVENTS_SCHEMA = pa.schema([
 ])
 
 TABLES: dict[str, pa.Schema] = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
+SHAPERS: dict[str, dict[str, Callable]] = {"stats": shapers(stats_schema.stats_columns())}
 
 # What pyarrow raises for a Python value that does not fit the Arrow type.
 _CONVERSION_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, OverflowError,
@@ -183,6 +231,29 @@ def with_extra(rows: list[dict], schema: pa.Schema) -> list[dict]:
     return out
 
 
+def shape(rows: list[dict], fns: dict[str, Callable]) -> list[dict]:
+    """``rows`` with each value ``fns`` names made into what Arrow takes (a NamedTuple's array as a dict)."""
+    if not fns:
+        return rows
+    out = []
+    for row in rows:
+        todo = [name for name in fns if row.get(name) is not None]
+        if todo:
+            row = dict(row)
+            for name in todo:
+                row[name] = fns[name](row[name])
+        out.append(row)
+    return out
+
+
+def unnamed_fields(rows: list[dict], schema: pa.Schema) -> set[str]:
+    """Keys of ``rows`` that ``schema`` has no column for (and no ``extra`` column keeps)."""
+    if EXTRA in schema.names:
+        return set()
+    names = set(schema.names)
+    return {k for row in rows for k in row if k not in names and k != "type"}
+
+
 def to_table(rows: list[dict], schema: pa.Schema) -> tuple[pa.Table, int]:
     """``rows`` as a table of ``schema`` (extra fields dropped, missing null) and how many values were nulled."""
     try:
@@ -211,8 +282,25 @@ def to_table(rows: list[dict], schema: pa.Schema) -> tuple[pa.Table, int]:
     return pa.Table.from_pylist(clean, schema=schema), nulled
 
 
-def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``table`` with exactly ``schema``'s columns: missing ones null, others cast (for files of older schemas)."""
+def conform(table: pa.Table, schema: pa.Schema, fns: dict[str, Callable] | None = None) -> pa.Table:
+    """``table`` with exactly ``schema``'s columns: missing ones null, others cast (for files of older schemas).
+
+    A stats file of before the derived schema has an ``extra`` column of JSON text: the fields it holds
+    fill the columns that now hold them (a value of the wrong type becomes null)."""
+    if EXTRA in table.column_names and EXTRA not in schema.names:
+        rows = []
+        for row in table.to_pylist():
+            extra = row.pop(EXTRA, None)
+            try:
+                more = json.loads(extra) if extra else {}
+            except ValueError:
+                more = {}
+            if isinstance(more, dict):
+                for k, v in more.items():
+                    if row.get(k) is None:
+                        row[k] = v
+            rows.append(row)
+        return to_table(shape(rows, fns or {}), schema)[0]
     columns = []
     for field in schema:
         if field.name in table.column_names:
@@ -220,6 +308,14 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         else:
             columns.append(pa.nulls(table.num_rows, type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def shapers_for(schema: pa.Schema) -> dict[str, Callable]:
+    """The value shapers of the table whose schema is ``schema`` (none for a schema of no table)."""
+    for name, table_schema in TABLES.items():
+        if table_schema is schema or table_schema.equals(schema):
+            return SHAPERS.get(name, {})
+    return {}
 
 
 def _line_chunks(f: BinaryIO, chunk_lines: int) -> Iterator[list[bytes]]:
@@ -235,20 +331,22 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
     """Convert one JSONL file into ``parquet_path`` (appending to an existing one), then delete the JSONL.
 
     Returns ``rows`` (in the Parquet file), ``jsonl_rows``, ``skipped_lines``, ``nulled_values``,
-    ``jsonl_bytes`` and ``parquet_bytes``. Raises (and leaves the JSONL and any old Parquet file
+    ``dropped_fields`` (names no column holds), ``jsonl_bytes`` and ``parquet_bytes``. Raises (and leaves the JSONL and any old Parquet file
     untouched) if anything fails before the new Parquet file is in place.
     """
     directory, base = os.path.split(parquet_path)
     tmp_path = os.path.join(directory, TMP_PREFIX + base + TMP_SUFFIX)
     jsonl_bytes = os.path.getsize(jsonl_path)
     rows = jsonl_rows = skipped = nulled = 0
+    dropped: set[str] = set()
+    fns = shapers_for(schema)
     try:
         with open(tmp_path, "wb") as sink:
             writer = pq.ParquetWriter(sink, schema, compression=COMPRESSION)
             try:
                 if os.path.lexists(parquet_path):
                     for batch in pq.ParquetFile(parquet_path).iter_batches(batch_size=chunk_lines):
-                        writer.write_table(conform(pa.Table.from_batches([batch]), schema))
+                        writer.write_table(conform(pa.Table.from_batches([batch]), schema, fns))
                         rows += batch.num_rows
                 with open(jsonl_path, "rb") as source:
                     for lines in _line_chunks(source, chunk_lines):
@@ -256,7 +354,8 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
                         skipped += bad
                         if not parsed:
                             continue
-                        table, n_null = to_table(with_extra(parsed, schema), schema)
+                        dropped |= unnamed_fields(parsed, schema)
+                        table, n_null = to_table(shape(with_extra(parsed, schema), fns), schema)
                         nulled += n_null
                         writer.write_table(table)
                         jsonl_rows += table.num_rows
@@ -274,7 +373,8 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
     fsync_directory(directory or ".")
     os.unlink(jsonl_path)
     return {"rows": rows + jsonl_rows, "jsonl_rows": jsonl_rows, "skipped_lines": skipped,
-            "nulled_values": nulled, "jsonl_bytes": jsonl_bytes, "parquet_bytes": os.path.getsize(parquet_path)}
+            "nulled_values": nulled, "dropped_fields": sorted(dropped), "jsonl_bytes": jsonl_bytes,
+            "parquet_bytes": os.path.getsize(parquet_path)}
 
 
 def compact(telemetry_dir: str, chunk_lines: int = CHUNK_LINES) -> dict[str, dict]:
@@ -302,6 +402,7 @@ def compact(telemetry_dir: str, chunk_lines: int = CHUNK_LINES) -> dict[str, dic
     return results
 
 
-__all__ = ["CHUNK_LINES", "COMPRESSION", "EXTRA", "with_extra", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE", "LINK_TYPE",
-           "STATES_SCHEMA", "STATS_SCHEMA", "TABLES", "compact", "compact_file", "conform", "parse_lines",
-           "to_table"]
+__all__ = ["CHUNK_LINES", "COMPRESSION", "EXTRA", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE",
+           "LINK_TYPE", "SHAPERS", "STATES_SCHEMA", "STATS_SCHEMA", "TABLES", "arrow_type", "compact",
+           "compact_file", "conform", "parse_lines", "shape", "shapers", "to_table", "unnamed_fields",
+           "with_extra"]
