@@ -44,8 +44,8 @@ def families(status: dict) -> list:
     out = []
 
     identity = UnknownMetricFamily("rabbitmq_identity_info", "RabbitMQ node & cluster identity info",
-                                   labels=["rabbitmq_node", "rabbitmq_cluster"])
-    identity.add_metric([views.node, views.node], 1)
+                                   labels=["rabbitmq_node", "rabbitmq_cluster", "rabbitmq_cluster_permanent_id"])
+    identity.add_metric([views.node, views.node, f"creditflow-cluster-id-{views.node}"], 1)
     out.append(identity)
     for name, help_text, on in (
             ("rabbitmq_alarms_memory_used_watermark", "is 1 if VM memory watermark alarm is in effect",

@@ -145,7 +145,8 @@ def sample_counters(status: dict) -> dict[tuple, float]:
     return out
 
 
-def details(value, rate: float) -> dict:
+def details(rate: float) -> dict:
+    """RabbitMQ's ``*_details``: here only the rate (per second); no sample history."""
     return {"rate": rate}
 
 
@@ -185,7 +186,7 @@ class Views:
         out = {}
         for key, value in values.items():
             out[key] = value
-            out[f"{key}_details"] = details(value, self.rate(*prefix, key))
+            out[f"{key}_details"] = details(self.rate(*prefix, key))
         return out
 
     def process_extra(self, name: str, p: dict) -> dict:
@@ -254,7 +255,7 @@ class Views:
             "node": self.node, "erlang_version": None, "disable_stats": False, "enable_queue_totals": True,
             "message_stats": self.stats(("overview",), totals),
             "queue_totals": {k: v for key, value in depths.items()
-                             for k, v in ((key, value), (f"{key}_details", details(value, self.rate("overview", key))))},
+                             for k, v in ((key, value), (f"{key}_details", details(self.rate("overview", key))))},
             "object_totals": {"connections": len(connections), "channels": len(channels),
                               "queues": len(queues), "consumers": sum(q["consumers"] for q in queues),
                               "exchanges": int(routing.get("exchanges", 0)) + 1},     # + the default exchange
@@ -341,7 +342,7 @@ class Views:
         out = {
             "name": name, "vhost": VHOST, "node": self.node, "type": "classic", "state": state,
             **{k: v for key, value in depths.items()
-               for k, v in ((key, value), (f"{key}_details", details(value, self.rate("queue", name, key))))},
+               for k, v in ((key, value), (f"{key}_details", details(self.rate("queue", name, key))))},
             "message_bytes": int(p.get("message_bytes") or 0),
             "message_bytes_ready": int(p.get("message_bytes") or 0),
             "memory": int(p.get("memory") or p.get("message_bytes") or 0),
@@ -418,7 +419,7 @@ class Views:
                         "in_flight": int(link.get("in_flight") or 0),
                         "max_in_flight": int(link.get("max_in_flight") or 0), "overflow": int(link.get("overflow") or 0),
                         "records": int(link.get("records") or 0), "sent": sent,
-                        "sent_details": details(sent, self.rate("link", name, "sent"))})
+                        "sent_details": details(self.rate("link", name, "sent"))})
         return out
 
 
