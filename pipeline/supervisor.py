@@ -283,6 +283,7 @@ class Supervisor:
         self.started_ns = time.monotonic_ns()
         self.fsync_histogram = LatencyHistogram()
         self.retired: dict[str, dict] = {}                # counters of processes that ended, by kind
+        self.retired_names: set[str] = set()      # processes whose counters went into ``retired``
         self.ctl_path = os.path.join(cfg.data_dir, "ctl.sock")
         self.ctl = CtlServer(self.ctl_path, self.selector, self.ctl_request)
         self.wake_r, self.wake_w = socket.socketpair()
@@ -790,6 +791,7 @@ class Supervisor:
         kind = msg.get("type")
         if kind == "stats":
             self.stats[proc.name] = msg
+            self.retired_names.discard(proc.name)     # a restarted process counts afresh
             now = time.monotonic_ns()
             for change in self.clock.tick(now):          # what time alone changed comes first
                 self.record_state(change)
@@ -1251,9 +1253,9 @@ class Supervisor:
         self.on_proc_msg(proc, limit=100_000)
         self.record_state(self.clock.end(proc.name, time.monotonic_ns()))
         st = self.stats.get(proc.name)
-        if st is not None and not st.get("retired"):    # global counters keep what it counted
+        if st is not None and proc.name not in self.retired_names:    # global counters keep what it counted
             management_views.retire(self.retired, proc.kind, st)
-            st["retired"] = True
+            self.retired_names.add(proc.name)
         self.telemetry.stage_ended(proc.name)
         if self.procs.get(proc.name) is proc:
             del self.procs[proc.name]

@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ipc import control
@@ -40,6 +41,7 @@ CTL_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 30.0          # an HTTP client silent this long loses its connection
 REALM = 'Basic realm="RabbitMQ Management"'
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
+LIVE_PAGE = (Path(__file__).with_name("live.html")).read_bytes()   # the live page at ``/`` (it logs in itself)
 JSON = "application/json"
 
 
@@ -110,6 +112,8 @@ class App:
         if parts and parts[-1] == "" and len(parts) > 1:
             parts = parts[:-1]
         try:
+            if parts in ([""], ["index.html"]):
+                return 200, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache"}, LIVE_PAGE
             if parts[:1] == ["metrics"] and parts[1:] in ([], ["per-object"]):
                 return self.metrics()
             if parts[:1] != ["api"]:
