@@ -192,6 +192,40 @@ def count_alarm_edges(log_path: str) -> tuple[int, int]:
     return len(_ALARM_SET_LINE.findall(text)), len(_ALARM_CLEARED_LINE.findall(text))
 
 
+class LivePictures:
+    """Pictures of the live page (``pipeline.management.snapshot``) into RUN_DIR/report/: one once the
+    alarm is set, one once it cleared, each taken in a thread of its own so that no second waits."""
+
+    def __init__(self, run_dir: str):
+        self.report_dir = os.path.join(run_dir, "report")
+        self.threads: dict[str, threading.Thread] = {}
+        self.results: dict[str, str | None] = {}
+
+    def take(self, port: int | None, alarm_set: bool, alarm_cleared: bool) -> None:
+        for name, due in (("live-alarm-set.png", alarm_set and not alarm_cleared), ("live-alarm-cleared.png",
+                                                                                    alarm_cleared)):
+            if due and port and name not in self.threads:
+                path = os.path.join(self.report_dir, name)
+                thread = threading.Thread(target=self._shoot, args=(f"http://127.0.0.1:{port}/", path, name),
+                                          daemon=True)
+                self.threads[name] = thread
+                thread.start()
+
+    def _shoot(self, url: str, path: str, name: str) -> None:
+        from pipeline.management.snapshot import screenshot
+        self.results[name] = screenshot(url, path)
+
+    def finish(self) -> list[str]:
+        """Wait for the pictures; a line for each (where it is, or why there is none)."""
+        lines = []
+        for name, thread in self.threads.items():
+            thread.join(60)
+            why = self.results.get(name, "still being taken")
+            lines.append(f"live page: {os.path.join(self.report_dir, name)}" if why is None
+                         else f"live page: no picture {name} ({why})")
+        return lines
+
+
 def run_demo(args) -> int:
     from pipeline.loadgen.config import LoadConfig
     from pipeline.loadgen.report import format_line
@@ -205,7 +239,7 @@ def run_demo(args) -> int:
     # memory pressure, as on RabbitMQ 3.12 and later.
     cfg = BrokerConfig(data_dir=run_dir, port=0, paging_ratio=PAGING_RATIO_NEVER, watchdog={
         "memory_limit": DEFAULT_WATERMARK, "disk_limit": "50MB", "strategy": args.memory_strategy,
-        "memory_interval_ms": 100})
+        "memory_interval_ms": 100}, management_port=0)
     print(f"creditflow demo: a publisher at {args.rate} msg/s of {args.size} B against a consumer that spends "
           f"{args.consumer_latency} µs per message; once the backlog costs twice {args.headroom_mb} MiB the "
           f"watermark is lowered to the broker's footprint + {args.headroom_mb} MiB")
@@ -214,6 +248,7 @@ def run_demo(args) -> int:
     watcher = AlarmWatcher(run_dir, queue, DEFAULT_WATERMARK)
     state = {"start_ns": None, "lowered": None, "peak": 0, "prev_msgs": 0, "mem": [], "resumed_seconds": 0}
     view = View(plain=args.plain)
+    pictures = LivePictures(run_dir)
 
     def t_of(ns: int) -> float:
         return (ns - state["start_ns"]) / 1e9
@@ -254,6 +289,7 @@ def run_demo(args) -> int:
             state["resumed_seconds"] += 1
         view.second(format_line(rep), states_line(status) + f"  | memory {used / MIB:.0f} MiB / watermark "
                     f"{limit / MIB:.0f} MiB{' ALARM' if alarm else ''}, queue {msgs}", status)
+        pictures.take(status.get("management_port"), "alarm set" in phases.at, "alarm cleared" in phases.at)
         done = not phases.missing() and state["resumed_seconds"] >= RESUMED_SECONDS
         if done and watcher.restored is None:   # the watcher never restored it: a re-set alarm would strand
             ctl.request("set_watermark", value=DEFAULT_WATERMARK)   # the last publishes in TCP's buffers
@@ -349,6 +385,8 @@ def run_demo(args) -> int:
     print(f"published {result.published}, delivered {result.delivered}, undelivered {result.undelivered}, "
           f"lost {result.lost}")
     report_code = run_report_if_available(run_dir)
+    for line in pictures.finish():
+        print(line)
     print(f"run directory: {run_dir}")
     problems = []
     if phases.missing():
