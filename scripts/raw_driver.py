@@ -1,0 +1,213 @@
+#!/usr/bin/env python3
+"""A minimal AMQP 0-9-1 load driver, written apart from creditflow's load generator.
+
+One publisher process writes the same pre-encoded publishes (encoded once with
+pamqp) as fast as the socket takes them, optionally in confirm mode with a
+window of unconfirmed publishes; one consumer process reads and counts
+basic.deliver frames without parsing anything else, acknowledging with one
+multiple ack per socket read (or consuming with no-ack). The figure is the
+consumer's deliveries during the publishing window, per second. Nothing of
+``pipeline.loadgen`` is used, so a broker's ratio against another does not
+depend on which load generator favours which.
+
+usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
+                             [--persistent] [--confirm 1000] [--no-ack] [--queue NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import socket
+import struct
+import sys
+import time
+
+from pamqp import commands, frame, header, body as pbody
+from pamqp import heartbeat as _heartbeat  # noqa: F401  (pamqp needs it loaded to unmarshal heartbeats)
+
+FRAME_HEAD = struct.Struct(">BHI")
+DELIVER = struct.pack(">HH", 60, 60)
+ACK = struct.pack(">HH", 60, 80)
+CHUNK = 1 << 18
+BATCH = 64
+
+
+def marshal(channel: int, obj) -> bytes:
+    return frame.marshal(obj, channel)
+
+
+def frames_in(buf: bytes | bytearray, pos: int = 0):
+    """(type, channel, payload start, payload end) of each whole frame from ``pos``; and where they end."""
+    out = []
+    size = len(buf)
+    while pos + 7 <= size:
+        ftype, channel, length = FRAME_HEAD.unpack_from(buf, pos)
+        end = pos + 7 + length
+        if end + 1 > size:
+            break
+        out.append((ftype, channel, pos + 7, end))
+        pos = end + 1
+    return out, pos
+
+
+class Connection:
+    def __init__(self, port: int, user: str = "guest", password: str = "guest"):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = bytearray()
+        self.sock.sendall(b"AMQP\x00\x00\x09\x01")
+        self.expect("Connection.Start")
+        self.sock.sendall(marshal(0, commands.Connection.StartOk(
+            client_properties={"product": "raw-driver", "capabilities": {"publisher_confirms": True}},
+            mechanism="PLAIN", response=f"\0{user}\0{password}", locale="en_US")))
+        tune = self.expect("Connection.Tune")
+        self.frame_max = tune.frame_max or 131072
+        self.sock.sendall(marshal(0, commands.Connection.TuneOk(channel_max=tune.channel_max, frame_max=self.frame_max,
+                                                                heartbeat=0)))
+        self.sock.sendall(marshal(0, commands.Connection.Open(virtual_host="/")))
+        self.expect("Connection.OpenOk")
+        self.sock.sendall(marshal(1, commands.Channel.Open()))
+        self.expect("Channel.OpenOk")
+
+    def expect(self, name: str):
+        while True:
+            found, used = frames_in(self.buf)
+            if found:
+                ftype, _, ps, pe = found[0]
+                _, _, obj = frame.unmarshal(bytes(self.buf[ps - 7:pe + 1]))
+                del self.buf[:pe + 1]
+                if obj.name == name:
+                    return obj
+                if obj.name in ("Connection.Close", "Channel.Close"):
+                    raise SystemExit(f"raw driver: broker closed: {obj.reply_code} {obj.reply_text}")
+                continue
+            data = self.sock.recv(CHUNK)
+            if not data:
+                raise SystemExit("raw driver: broker closed the connection")
+            self.buf += data
+
+    def call(self, method, reply: str):
+        self.sock.sendall(marshal(1, method))
+        return self.expect(reply)
+
+
+def publishes(queue: str, size: int, persistent: bool, frame_max: int, count: int) -> bytes:
+    """``count`` complete publishes of a ``size``-byte body, back to back."""
+    props = commands.Basic.Properties(delivery_mode=2 if persistent else 1)
+    body = b"\0" * size
+    one = marshal(1, commands.Basic.Publish(exchange="", routing_key=queue))
+    one += marshal(1, header.ContentHeader(0, size, props))
+    step = frame_max - 8
+    for i in range(0, size, step):
+        one += marshal(1, pbody.ContentBody(body[i:i + step]))
+    return one * count
+
+
+def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
+              counts) -> None:
+    conn = Connection(port)
+    if confirm:
+        conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
+    batch = publishes(queue, size, persistent, conn.frame_max, BATCH)
+    sock = conn.sock
+    while time.time() < start:
+        time.sleep(0.001)
+    sent = confirmed = 0
+    buf = bytearray()
+    while time.time() < stop:
+        if confirm and sent - confirmed + BATCH > confirm:
+            data = sock.recv(CHUNK)
+            buf += data
+            found, used = frames_in(buf)
+            for ftype, _, ps, pe in found:
+                if ftype == 1 and buf[ps:ps + 4] == ACK:
+                    confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
+            del buf[:used]
+            continue
+        sock.sendall(batch)
+        sent += BATCH
+    counts.put(("sent", sent))
+    sock.close()
+
+
+def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts) -> None:
+    conn = Connection(port)
+    conn.call(commands.Queue.Declare(queue=queue, durable=True), "Queue.DeclareOk")
+    conn.call(commands.Basic.Consume(queue=queue, no_ack=no_ack), "Basic.ConsumeOk")
+    ready.set()
+    sock = conn.sock
+    sock.settimeout(0.2)
+    buf = conn.buf
+    delivered = in_window = 0
+    last_tag = 0
+    while time.time() < stop + 2:
+        try:
+            data = sock.recv(CHUNK)
+        except socket.timeout:
+            continue
+        if not data:
+            break
+        buf += data
+        found, used = frames_in(buf)
+        now = time.time()
+        for ftype, _, ps, pe in found:
+            if ftype == 1 and buf[ps:ps + 4] == DELIVER:
+                delivered += 1
+                if start <= now < stop:
+                    in_window += 1
+                # basic.deliver: consumer tag (shortstr), then the u64 delivery tag
+                last_tag = struct.unpack_from(">Q", buf, ps + 5 + buf[ps + 4])[0]
+        del buf[:used]
+        if not no_ack and last_tag:
+            sock.sendall(marshal(1, commands.Basic.Ack(delivery_tag=last_tag, multiple=True)))
+    counts.put(("delivered", in_window))
+    sock.close()
+
+
+def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, persistent: bool = False,
+        confirm: int = 0, no_ack: bool = False, queue: str | None = None) -> dict:
+    """One run; ``deliver_rate`` is what the consumer received during the publishing window, per second."""
+    queue = queue or f"raw-{os.getpid()}-{time.time_ns() % 10**9}"
+    ctx = multiprocessing.get_context("fork")
+    counts, ready = ctx.Queue(), ctx.Event()
+    start = time.time() + 2.0
+    stop = start + seconds
+    procs = [ctx.Process(target=consumer, args=(port, queue, no_ack, ready, start, stop, counts))]
+    procs[0].start()
+    if not ready.wait(30):
+        raise SystemExit("raw driver: the consumer did not start")
+    procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts))
+              for _ in range(publishers)]
+    for p in procs[1:]:
+        p.start()
+    got: dict[str, int] = {}
+    for _ in procs:
+        kind, n = counts.get(timeout=seconds + 60)
+        got[kind] = got.get(kind, 0) + n
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    return {"deliver_rate": got.get("delivered", 0) / seconds, "publish_rate": got.get("sent", 0) / seconds}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--size", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=10)
+    ap.add_argument("--publishers", type=int, default=1)
+    ap.add_argument("--persistent", action="store_true")
+    ap.add_argument("--confirm", type=int, default=0)
+    ap.add_argument("--no-ack", action="store_true")
+    ap.add_argument("--queue", default=None)
+    a = ap.parse_args()
+    res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue)
+    print(f"delivered {res['deliver_rate']:,.0f} msg/s, published {res['publish_rate']:,.0f} msg/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
