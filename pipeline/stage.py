@@ -429,6 +429,7 @@ class Stage:
                 handled += len(records)
                 for record in records:
                     self.on_record(link, record)
+                self.between_batches(now_ns)
                 if not link.more or not self.can_read_more():
                     break
                 if batch < READ_BATCH_RECORDS:
@@ -444,6 +445,10 @@ class Stage:
 
     def can_read_more(self) -> bool:
         return True
+
+    def between_batches(self, now_ns: int) -> None:
+        """After each batch read from an in-link: work that must not wait for the end of the turn
+        (a queue's deliveries, as a gen_server interleaves them with its mailbox)."""
 
     def wants_records(self, link) -> bool:
         """Whether to read ``link`` now (a channel waiting on an answer leaves its reader's ring alone)."""
