@@ -681,7 +681,9 @@ class Channel(Stage):
         cs = self.confirms.statistics()
         return ChannelStats(**self.stage_fields(now_ns), number=self.number, routed=self.routed,
                             unroutable=self.unroutable, returned=self.returned, unconfirmed=cs.unconfirmed,
-                            confirms_sent=cs.ack_frames, nacks_sent=cs.nack_frames, confirm_mode=cs.mode)
+                            confirms_sent=cs.ack_frames, nacks_sent=cs.nack_frames, confirm_mode=cs.mode,
+                            confirmed=cs.acked, prefetch_count=self.prefetch,
+                            global_prefetch_count=self.channel_prefetch, consumer_count=len(self.consumers))
 
 
 def shown(name) -> str:

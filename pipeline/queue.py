@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import itertools
 import struct
 import time
 
@@ -42,7 +43,7 @@ from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, 
 from pipeline.broker.routing import RoutingTable
 from pipeline.journal import QueueJournal, read_store_bodies
 from pipeline.stage import Stage, read_batch_for
-from pipeline.telemetry.schema import QueueStats
+from pipeline.telemetry.schema import CONSUMER_DETAILS_KEPT, ConsumerDetail, QueueStats
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
 SYNC_INTERVAL_MS = 200
@@ -72,12 +73,13 @@ def names_of(record) -> tuple[str, tuple[str]]:
 
 
 class ConsumerInfo:
-    """Where a consumer's deliveries go: its reader's link, its channel number and tag."""
+    """Where a consumer's deliveries go: its reader's link, its channel number and tag; and, for the
+    statistics, what the consumer asked for (``detail``)."""
 
-    __slots__ = ("link", "channel", "ctag_bytes")
+    __slots__ = ("link", "channel", "ctag_bytes", "detail")
 
-    def __init__(self, link, channel: int, ctag: str):
-        self.link, self.channel, self.ctag_bytes = link, channel, ctag.encode()
+    def __init__(self, link, channel: int, ctag: str, detail: ConsumerDetail | None = None):
+        self.link, self.channel, self.ctag_bytes, self.detail = link, channel, ctag.encode(), detail
 
 
 class Queue(Stage):
@@ -714,7 +716,9 @@ class Queue(Stage):
             self.reply(out, {"op": "error", "code": exc.reply_code, "text": exc.reply_text,
                              "class_id": BASIC_CONSUME[0], "method_id": BASIC_CONSUME[1]})
             return
-        self.consumers[key] = ConsumerInfo(reader_link, op["channel"], op["ctag"])
+        self.consumers[key] = ConsumerInfo(reader_link, op["channel"], op["ctag"], ConsumerDetail(
+            consumer_tag=op["ctag"], channel=channel, channel_number=op["channel"], ack_required=not op["no_ack"],
+            prefetch_count=int(op.get("prefetch") or 0), exclusive=bool(op.get("exclusive"))))
         self.channel_reader[channel] = op["reader"]
         self.channel_links[channel] = (reader_link, op["channel"])
         if not op.get("nowait"):
@@ -767,8 +771,16 @@ class Queue(Stage):
             self.journal.close()
         super().shutdown()
 
+    def consumer_details(self) -> tuple[tuple[ConsumerDetail, ...], int | None]:
+        """The first ``CONSUMER_DETAILS_KEPT`` consumers, and how many were left out (None: none)."""
+        kept = tuple(itertools.islice((c.detail for c in self.consumers.values() if c.detail is not None),
+                                      CONSUMER_DETAILS_KEPT))
+        left = len(self.consumers) - len(kept)
+        return kept, (left if left > 0 else None)
+
     def statistics(self, now_ns: int) -> QueueStats:
         st = self.core.statistics()
+        details, omitted = self.consumer_details()
         return QueueStats(
             **self.stage_fields(now_ns), queue=self.queue, durable=self.durable, messages=st.messages_ready,
             journal_full=self.journal_full_since_ns is not None, unacked=st.messages_unacknowledged,
@@ -778,4 +790,5 @@ class Queue(Stage):
             stored=self.stored, awaiting_confirm=st.unconfirmed, recovered=self.recovered, paging=self.paging,
             paged_messages=self.pages.count if self.pages else 0, paged_out=self.paged_out,
             paged_in=self.paged_in, store_resent=self.store_resent, journal_fsyncs=self.journal_fsyncs,
-            dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles)
+            dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles, consumer_details=details,
+            consumer_details_omitted=omitted)

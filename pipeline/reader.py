@@ -30,7 +30,7 @@ from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen,
                                       ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
-from pipeline.telemetry.schema import NoticeSent, ReaderStats
+from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 RECV_BYTES = 128 * 1024
@@ -101,6 +101,9 @@ class Reader(Stage):
         self.quiet_until_ns = 0              # a refused login is answered (or dropped) only then
         self.publishes = 0
         self.deliveries = 0
+        self.recv_oct = 0                    # bytes read from the socket (one add per recv, not per frame)
+        self.send_oct = 0
+        self.client_properties: ClientProperties | None = None   # from the first snapshot after start-ok
         self.last_publish_ns = 0
         self.first_publish_ns = 0
         self.first_stop_ns = 0               # the first time it stopped reading
@@ -155,6 +158,7 @@ class Reader(Stage):
             if data is not None:
                 if not data:
                     self.eof = True
+                self.recv_oct += len(data)
                 self.conn.receive_data(data)
                 self.dirty = True
 
@@ -185,6 +189,7 @@ class Reader(Stage):
                 return
             try:
                 sent = self.sock.send(self.outbuf)
+                self.send_oct += sent
                 if sent == len(self.outbuf):
                     self.outbuf = bytearray()   # drop the grown buffer rather than keep its capacity
                 else:
@@ -594,6 +599,9 @@ class Reader(Stage):
         return (self.credit.blocked, self.throttle.reported_state())
 
     def statistics(self, now_ns: int) -> ReaderStats:
+        table = self.conn.client_properties
+        if self.client_properties is None and table:
+            self.client_properties = ClientProperties.of(table)
         return ReaderStats(
             **self.stage_fields(now_ns), conn_state=self.throttle.reported_state(), publishes=self.publishes,
             deliveries=self.deliveries, first_publish_ns=self.first_publish_ns,
@@ -602,7 +610,10 @@ class Reader(Stage):
             first_publish_after_resume_ns=self.first_publish_after_resume_ns, channels=len(self.channels),
             client_name=str(self.conn.client_properties.get("connection_name", "")),
             alarm_reasons=tuple(sorted(self.throttle.reasons - {FLOW})),
-            notices=tuple(self.state_changes[-20:]), unparsed_bytes=self.conn.buffered_bytes())
+            notices=tuple(self.state_changes[-20:]), unparsed_bytes=self.conn.buffered_bytes(),
+            user=self.conn.user, recv_oct=self.recv_oct, send_oct=self.send_oct,
+            client_properties=self.client_properties,
+            channel_unacked={str(n): len(slot.unacked) for n, slot in self.channels.items() if slot.unacked})
 
     def shutdown(self) -> None:
         try:

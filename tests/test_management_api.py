@@ -117,6 +117,33 @@ def test_columns_select_nested_fields_and_list_rows_refuse_unknown_ones():
         list_rows(Views(status()), "channels", ["name", "bogus"])
 
 
+def test_what_the_stages_report_fills_connections_channels_and_consumers():
+    st = status()
+    st["processes"]["reader-1"].update(user="guest", recv_oct=1200, send_oct=3400, channel_unacked={"1": 4},
+                                       client_properties={"product": "pika", "version": "1.3.2", "platform": None,
+                                                          "information": None, "connection_name": "app",
+                                                          "capabilities": {"basic.nack": True}})
+    st["processes"]["channel-1.1"].update(prefetch_count=7, global_prefetch_count=0, consumer_count=1, confirmed=6)
+    st["processes"]["queue-q1"].update(consumer_details=[
+        {"consumer_tag": "ctag-a", "channel": "channel-1.1", "channel_number": 1, "ack_required": True,
+         "prefetch_count": 7, "exclusive": False}])
+    v = Views(st)
+
+    conn, = v.connections()
+    assert (conn["user"], conn["recv_oct"], conn["send_oct"]) == ("guest", 1200, 3400)
+    assert conn["client_properties"] == {"product": "pika", "version": "1.3.2", "connection_name": "app",
+                                         "capabilities": {"basic.nack": True}}       # what the client sent
+    chan, = v.channels()
+    assert (chan["user"], chan["prefetch_count"], chan["consumer_count"], chan["messages_unacknowledged"]) == (
+        "guest", 7, 1, 4)                                     # unacked: the reader counts them per channel
+    assert chan["message_stats"]["confirm"] == 6              # as the channel counted it, not publish - unconfirmed
+    named, unnamed = v.consumers()                            # the queue counts 2, lists 1
+    assert named["consumer_tag"] == "ctag-a" and named["prefetch_count"] == 7 and named["ack_required"] is True
+    assert named["channel_details"] == {"name": chan["name"], "number": 1, "connection_name": conn["name"],
+                                        "peer_host": "127.0.0.1", "peer_port": 50712, "user": "guest"}
+    assert unnamed["consumer_tag"] is None and unnamed["channel_details"] == {}
+
+
 # -- a real broker ---------------------------------------------------------------------------------------------
 def get(port: int, path: str, auth=("guest", "guest")):
     """(status code, parsed JSON or raw bytes, headers)."""
@@ -234,6 +261,53 @@ def test_the_api_serves_a_live_broker_with_auth_health_checks_and_ctl_lists(star
     assert get(port, "/api/nodes")[1][0]["mem_alarm"] is True
     assert ctl(broker, "set-watermark", "0.6").returncode == 0
     wait_until(lambda: get(port, "/api/health/checks/alarms")[0] == 200, what="the alarm to clear")
+
+
+@pytest.mark.processes
+def test_a_pika_consumer_shows_its_prefetch_tag_bytes_and_client_properties(broker):
+    import pika
+    port = broker.info["management_port"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port,
+                                                             client_properties={"connection_name": "pika-app"}))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.queue_declare("pika-q")
+        for _ in range(20):
+            ch.basic_publish("", "pika-q", b"x" * 100)
+        ch.basic_qos(prefetch_count=7)
+        tag = ch.basic_consume("pika-q", lambda *a: None)
+        conn.process_data_events(0.5)
+
+        def consuming():
+            c = get(port, "/api/channels")[1]
+            return c if len(c) == 1 and c[0]["consumer_count"] == 1 and c[0]["messages_unacknowledged"] == 7 \
+                else None
+        chan, = wait_until(consuming, what="the channel's consumer and its 7 unacked")
+        assert (chan["prefetch_count"], chan["global_prefetch_count"], chan["user"]) == (7, 0, "guest")
+        assert chan["confirm"] is True and chan["message_stats"]["confirm"] == 20
+        consumer, = get(port, "/api/consumers")[1]
+        assert (consumer["consumer_tag"], consumer["prefetch_count"], consumer["ack_required"]) == (tag, 7, True)
+        assert consumer["exclusive"] is False and consumer["queue"]["name"] == "pika-q"
+        assert consumer["channel_details"]["name"] == chan["name"] and consumer["channel_details"]["number"] == 1
+        assert get(port, "/api/queues/%2F/pika-q")[1]["consumer_details"][0]["consumer_tag"] == tag
+
+        first, = get(port, "/api/connections")[1]
+        assert first["user"] == "guest" and first["user_provided_name"] == "pika-app"
+        props = first["client_properties"]
+        assert props["product"] == pika.connection.PRODUCT and props["connection_name"] == "pika-app"
+        assert props["capabilities"]["publisher_confirms"] is True and "platform" in props
+        assert first["recv_oct"] > 20 * 100 and first["send_oct"] > 7 * 100      # bodies both ways
+        for _ in range(10):
+            ch.basic_publish("", "pika-q", b"y" * 1000)
+        conn.process_data_events(0.3)
+        later = wait_until(lambda: (c := get(port, "/api/connections")[1]) and c[0]["recv_oct"] >= first["recv_oct"]
+                           + 10 * 1000 and c[0], what="recv_oct to grow by what was published")
+        assert later["send_oct"] > first["send_oct"]                             # the confirms
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "rabbitmq_connection_incoming_bytes_total" in metrics and "rabbitmq_channel_consumers 1.0" in metrics
+    finally:
+        conn.close()
 
 
 @pytest.mark.processes

@@ -24,28 +24,32 @@ from ipc.control import MAX_CONTROL_BYTES
 from pipeline.stage import STATS_LINKS_KEPT, busiest_links
 from pipeline.telemetry import parquet as tp
 from pipeline.telemetry import schema
-from pipeline.telemetry.schema import (STATS_TYPES, ChannelStats, LinkStats, NoticeSent, ReaderStats, SchemaConflict,
-                                       StageStats, StoreStats)
+from pipeline.telemetry.schema import (STATS_TYPES, ChannelStats, ClientProperties, ConsumerDetail, LinkStats,
+                                       NoticeSent, QueueStats, ReaderStats, SchemaConflict, StageStats, StoreStats)
 
 pytestmark = pytest.mark.timeout(120)
 
 T0_NS = 7_000_000_000_000
 
 # What ``ctl status`` showed per process kind before the schema was a module (the supervisor adds alive,
-# host, seconds and restarts): the HTTP API is built on these names, so they do not move.
+# host, seconds and restarts), and what was added since for the management API (user, recv_oct, send_oct,
+# client_properties, channel_unacked; confirmed, prefetch_count, global_prefetch_count, consumer_count;
+# consumer_details): the HTTP API is built on these names, so they do not move.
 STATUS_KEYS = {
     "reader": "alarm_reasons alive at_ns block_count block_started_ns blocked blocked_by blocked_total_ns channels "
               "client_name conn_state deferred_grants deliveries first_publish_after_resume_ns first_publish_ns "
               "first_stop_ns host kind last_publish_ns links name notices pid publishes restarts resumed_ns "
-              "seconds state stopped_reading_ns trims unparsed_bytes",
+              "seconds state stopped_reading_ns trims unparsed_bytes user recv_oct send_oct client_properties "
+              "channel_unacked",
     "channel": "alive at_ns block_count block_started_ns blocked blocked_by blocked_total_ns confirm_mode "
                "confirms_sent deferred_grants host kind links nacks_sent name number pid restarts returned routed "
-               "seconds state trims unconfirmed unroutable",
+               "seconds state trims unconfirmed unroutable confirmed prefetch_count global_prefetch_count "
+               "consumer_count",
     "queue": "acked alive at_ns awaiting_confirm block_count block_started_ns blocked blocked_by blocked_total_ns "
              "consumers dead_letter_cycles dead_lettered dead_letters_sent deferred_grants delivered dropped "
              "durable enqueued expired host journal_fsyncs journal_full kind links message_bytes messages name "
              "paged_in paged_messages paged_out paging pid purged queue recovered redelivered rejected restarts "
-             "seconds state store_resent stored trims unacked",
+             "seconds state store_resent stored trims unacked consumer_details",
     "store": "adopted alive at_ns block_count block_started_ns blocked blocked_by blocked_total_ns deferred_grants "
              "disk_full disk_full_episodes fsync_ms_total fsyncs held_writes host kind links name pid removes "
              "restarts seconds segments state trims writes",
@@ -74,7 +78,10 @@ def a_reader() -> ReaderStats:
                        conn_state="running", publishes=5, deliveries=0, first_publish_ns=T0_NS - 10,
                        last_publish_ns=T0_NS - 1, stopped_reading_ns=0, first_stop_ns=0, resumed_ns=0,
                        first_publish_after_resume_ns=0, channels=1, client_name="app", alarm_reasons=("memory",),
-                       notices=(NoticeSent(T0_NS - 5, "blocked", "low on memory", True),), unparsed_bytes=0)
+                       notices=(NoticeSent(T0_NS - 5, "blocked", "low on memory", True),), unparsed_bytes=0,
+                       user="guest", recv_oct=700, send_oct=900,
+                       client_properties=ClientProperties.of({"product": "pika", "capabilities": {"a": 1}}),
+                       channel_unacked={"1": 3})
 
 
 # -- the classes, and what the stages send ---------------------------------------------------------------
@@ -119,7 +126,8 @@ def test_a_snapshot_with_thousands_of_links_is_cut_to_fit_a_control_message():
     links = {f"channel-1234.1->queue-a-queue-with-a-long-name-{i:05d}": LinkStats(i, i, i % 300, 400, 0, 10)
              for i in range(3000)}
     stats = ChannelStats(**stage_fields("channel-1234.1", "channel", links), number=1, routed=0, unroutable=0,
-                         returned=0, unconfirmed=0, confirms_sent=0, nacks_sent=0, confirm_mode="none")
+                         returned=0, unconfirmed=0, confirms_sent=0, nacks_sent=0, confirm_mode="none",
+                         confirmed=0, prefetch_count=0, global_prefetch_count=0, consumer_count=0)
     assert "links_omitted" not in stats.to_dict()                 # only a cut snapshot has it
     assert len(json.dumps({"type": "stats", **stats.to_dict()})) > MAX_CONTROL_BYTES
 
@@ -130,6 +138,61 @@ def test_a_snapshot_with_thousands_of_links_is_cut_to_fit_a_control_message():
     assert msg["links_omitted"] == 3000 - STATS_LINKS_KEPT and len(msg["links"]) == STATS_LINKS_KEPT
     assert sorted({v["in_flight"] for v in msg["links"].values()}) == list(range(290, 300))   # the busiest
     assert type(cut) is ChannelStats and cut.number == 1
+
+
+def test_client_properties_keep_the_usual_keys_small_and_json_safe():
+    table = {"product": b"pika", "version": "1.3.2", "platform": "Python " + "x" * 1000, "copyright": "(c)",
+             "capabilities": {f"cap{i}": i % 2 for i in range(100)}}
+    props = ClientProperties.of(table)
+
+    assert (props.product, props.version, props.connection_name) == ("pika", "1.3.2", None)
+    assert len(props.platform) == schema.CLIENT_TEXT_MAX
+    assert len(props.capabilities) == schema.CLIENT_CAPABILITIES_MAX and props.capabilities["cap1"] is True
+    msg = json.loads(json.dumps(a_reader().to_dict()))
+    assert msg["client_properties"]["product"] == "pika" and msg["client_properties"]["capabilities"] == {"a": True}
+    assert (msg["user"], msg["recv_oct"], msg["send_oct"], msg["channel_unacked"]) == ("guest", 700, 900, {"1": 3})
+
+
+def a_queue(consumers: int) -> QueueStats:
+    counts = dict.fromkeys(("messages", "unacked", "message_bytes", "enqueued", "delivered", "redelivered", "acked",
+                            "expired", "dead_lettered", "dropped", "rejected", "purged", "stored",
+                            "awaiting_confirm", "recovered", "paged_messages", "paged_out", "paged_in",
+                            "store_resent", "journal_fsyncs", "dead_letters_sent", "dead_letter_cycles"), 0)
+    details = tuple(ConsumerDetail(f"amq.ctag-{i:022d}", f"channel-{i}.1", 1, True, 10, False)
+                    for i in range(min(consumers, schema.CONSUMER_DETAILS_KEPT)))
+    left = consumers - len(details)
+    return QueueStats(**stage_fields("queue-q", "queue"), queue="q", durable=True, journal_full=False,
+                      consumers=consumers, paging=False, **counts, consumer_details=details,
+                      consumer_details_omitted=left or None)
+
+
+def test_a_queue_with_thousands_of_consumers_lists_the_first_hundred_and_counts_the_rest():
+    assert "consumer_details_omitted" not in a_queue(3).to_dict()
+    msg = {"type": "stats", **a_queue(5000).to_dict()}
+
+    assert len(msg["consumer_details"]) == schema.CONSUMER_DETAILS_KEPT
+    assert msg["consumer_details_omitted"] == 5000 - schema.CONSUMER_DETAILS_KEPT
+    assert msg["consumer_details"][0] == {"consumer_tag": "amq.ctag-" + "0" * 22, "channel": "channel-0.1",
+                                          "channel_number": 1, "ack_required": True, "prefetch_count": 10,
+                                          "exclusive": False}
+    assert len(json.dumps(msg).encode()) < MAX_CONTROL_BYTES // 2     # room left for the links
+
+
+def test_client_properties_and_consumers_are_struct_columns(tmp_path):
+    tele = tmp_path / "telemetry"
+    tele.mkdir()
+    with open(tele / "stats.jsonl", "w") as f:
+        for stats in (a_reader(), a_queue(2)):
+            f.write(json.dumps(schema.row_of({"type": "stats", **stats.to_dict()})) + "\n")
+
+    result = tp.compact(str(tele))["stats"]
+
+    assert result["dropped_fields"] == [] and result["nulled_values"] == 0, result
+    reader, queue = pq.read_table(tele / "stats.parquet").to_pylist()
+    assert reader["client_properties"]["product"] == "pika"
+    assert dict(reader["client_properties"]["capabilities"]) == {"a": True}
+    assert dict(reader["channel_unacked"]) == {"1": 3} and reader["recv_oct"] == 700
+    assert [c["channel"] for c in queue["consumer_details"]] == ["channel-0.1", "channel-1.1"]
 
 
 # -- the schemas derived from them ------------------------------------------------------------------------

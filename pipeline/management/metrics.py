@@ -84,6 +84,20 @@ def families(status: dict) -> list:
         family = CounterMetricFamily(name, help_text, labels=amqp)
         family.add_metric(["amqp091"], max(0, value))
         out.append(family)
+    retired = (status.get("retired") or {}).get("reader") or {}
+    for name, help_text, key in (
+            ("rabbitmq_connection_incoming_bytes", "Total number of bytes received on a connection", "recv_oct"),
+            ("rabbitmq_connection_outgoing_bytes", "Total number of bytes sent on a connection", "send_oct")):
+        value = int(retired.get(key) or 0) + sum(int(p.get(key) or 0) for _, p in views.live("reader"))
+        out.append(CounterMetricFamily(name, help_text, value=value))
+    channels = views.channels()
+    for name, help_text, key in (
+            ("rabbitmq_channel_consumers", "Consumers on a channel", "consumer_count"),
+            ("rabbitmq_channel_messages_unacked", "Delivered but not yet acknowledged messages",
+             "messages_unacknowledged"),
+            ("rabbitmq_channel_messages_unconfirmed", "Published but not yet confirmed messages",
+             "messages_unconfirmed")):
+        out.append(GaugeMetricFamily(name, help_text, value=sum(c[key] for c in channels)))
     by_queue_type = ["protocol", "queue_type"]
     for name, help_text, value in (
             ("rabbitmq_global_messages_delivered", "Total number of messages delivered to consumers",

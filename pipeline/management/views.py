@@ -287,7 +287,9 @@ class Views:
         shown = self.connection_name(name)
         peer_host, peer_port, host, port = parse_peer(str(p.get("peer") or ""))
         client = p.get("client_properties")
-        if not isinstance(client, dict):
+        if isinstance(client, dict):            # the reader's ClientProperties: the keys the client sent
+            client = {k: v for k, v in client.items() if v is not None}
+        else:
             client = {"connection_name": p["client_name"]} if p.get("client_name") else {}
         octets = connection_counters(p)
         return {
@@ -318,7 +320,7 @@ class Views:
             "user": (self.processes.get(owner) or {}).get("user"),
             "state": p.get("state"), "confirm": mode == "confirm", "transactional": mode == "tx",
             "messages_unconfirmed": int(p.get("unconfirmed") or 0),
-            "messages_unacknowledged": int(p.get("unacked") or 0),
+            "messages_unacknowledged": self.channel_unacked(owner, p),
             "prefetch_count": int(p.get("prefetch_count") or 0),
             "global_prefetch_count": int(p.get("global_prefetch_count") or 0),
             "consumer_count": int(p.get("consumer_count") or 0),
@@ -326,6 +328,22 @@ class Views:
             "message_stats": self.stats(("channel", name), channel_counters(p)),
             "creditflow": {**self.process_extra(name, p), "connection_process": owner},
         }
+
+    def channel_unacked(self, owner: str, p: dict) -> int:
+        """Deliveries on the channel not yet acked: its reader counts them (it assigns the delivery tags)."""
+        if "unacked" in p:
+            return int(p.get("unacked") or 0)
+        by_channel = (self.processes.get(owner) or {}).get("channel_unacked") or {}
+        return int(by_channel.get(str(int(p.get("number") or 0))) or 0)
+
+    def channel_details(self, proc: str, number: int) -> dict:
+        """RabbitMQ's ``channel_details`` of a consumer on channel ``number`` (process ``proc``)."""
+        owner = self.channel_owner(proc, self.processes.get(proc) or {})
+        conn = self.connection_name(owner)
+        peer_host, peer_port, _, _ = parse_peer(conn)
+        return {"name": f"{conn} ({number})", "number": number, "connection_name": conn,
+                "peer_host": peer_host, "peer_port": peer_port,
+                "user": (self.processes.get(owner) or {}).get("user")}
 
     def channels(self) -> list[dict]:
         return [self.channel(name, p) for name, p in self.live("channel")]
@@ -370,16 +388,22 @@ class Views:
 
     # /api/consumers
     def consumers_of(self, queue: str, p: dict) -> list[dict]:
-        """The queue's consumers as it reports them (``consumer_details``); a queue that reports only a
-        count gives that many entries without tag or channel."""
+        """The queue's consumers as it reports them (``consumer_details``, at most
+        ``schema.CONSUMER_DETAILS_KEPT``); those it left out, or all of them from a queue that reports
+        only a count, are entries without tag or channel."""
+        if not p.get("alive"):
+            return []
         listed = p.get("consumer_details")
-        if isinstance(listed, list):
-            return [{"queue": {"name": queue, "vhost": VHOST}, "arguments": {}, "active": True,
-                     "activity_status": "up", **c} for c in listed]
-        return [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},
-                 "ack_required": None, "prefetch_count": None, "exclusive": None, "active": True,
-                 "activity_status": "up", "arguments": {}}
-                for _ in range(int(p.get("consumers") or 0) if p.get("alive") else 0)]
+        listed = listed if isinstance(listed, list) else []
+        out = [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": c.get("consumer_tag"),
+                "channel_details": self.channel_details(str(c.get("channel") or ""), int(c.get("channel_number") or 0)),
+                "ack_required": c.get("ack_required"), "prefetch_count": c.get("prefetch_count"),
+                "exclusive": c.get("exclusive"), "active": True, "activity_status": "up", "arguments": {}}
+               for c in listed]
+        unnamed = max(0, int(p.get("consumers") or 0) - len(out))
+        return out + [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},
+                       "ack_required": None, "prefetch_count": None, "exclusive": None, "active": True,
+                       "activity_status": "up", "arguments": {}} for _ in range(unnamed)]
 
     def consumers(self) -> list[dict]:
         out = []

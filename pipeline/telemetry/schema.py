@@ -25,7 +25,12 @@ store's ``fsync_events`` become events of their own); ``optional=True`` is
 left out of the message while None (``links_omitted``, set only when a
 snapshot had to be cut to fit a control message). A ``typing.NamedTuple``
 inside a field (``NoticeSent``) travels as a JSON array, as ``ctl status`` has
-always shown it, and is a struct in Parquet.
+always shown it, and is a struct in Parquet; a dataclass inside a field
+(``ClientProperties``, ``ConsumerDetail``, ``SegmentStatistics``) travels as a
+JSON object and is a struct too. A client's table of arbitrary shape is kept
+to a fixed one (``ClientProperties.of``) and a queue lists at most
+``CONSUMER_DETAILS_KEPT`` consumers, so a snapshot still fits a control
+message (64 KiB).
 
 Stdlib only: broker processes import this module; pyarrow stays out of them.
 """
@@ -60,6 +65,53 @@ class LinkStats:
     def to_dict(self) -> dict:
         return {"sent": self.sent, "records": self.records, "in_flight": self.in_flight,
                 "max_in_flight": self.max_in_flight, "overflow": self.overflow, "credit": self.credit}
+
+
+CLIENT_TEXT_MAX = 200           # characters kept of a client property's text
+CLIENT_CAPABILITIES_MAX = 32     # capabilities kept of a client's table
+CONSUMER_DETAILS_KEPT = 100      # consumers a queue lists in its snapshot; the rest are counted
+
+
+@dataclass(frozen=True)
+class ClientProperties:
+    """What a connection's client said about itself in connection.start-ok, as RabbitMQ's API shows it:
+    the usual keys only, text cut to ``CLIENT_TEXT_MAX``, capabilities as booleans (a fixed shape, so
+    it is a struct column and its message stays small whatever the client sent)."""
+
+    product: str | None = None
+    version: str | None = None
+    platform: str | None = None
+    information: str | None = None
+    connection_name: str | None = None
+    capabilities: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table: dict) -> ClientProperties:
+        """From the client's field table (whatever types its values have)."""
+        def text(key):
+            value = table.get(key)
+            if value is None:
+                return None
+            if isinstance(value, (bytes, bytearray)):
+                value = bytes(value).decode("utf-8", "replace")
+            return str(value)[:CLIENT_TEXT_MAX]
+        caps = table.get("capabilities")
+        caps = {str(k)[:CLIENT_TEXT_MAX]: bool(v) for k, v in list(caps.items())[:CLIENT_CAPABILITIES_MAX]} \
+            if isinstance(caps, dict) else {}
+        return cls(product=text("product"), version=text("version"), platform=text("platform"),
+                   information=text("information"), connection_name=text("connection_name"), capabilities=caps)
+
+
+@dataclass(frozen=True)
+class ConsumerDetail:
+    """One consumer of a queue (RabbitMQ's ``consumer_details``); ``channel`` is its channel's process."""
+
+    consumer_tag: str
+    channel: str
+    channel_number: int
+    ack_required: bool
+    prefetch_count: int
+    exclusive: bool
 
 
 class NoticeSent(NamedTuple):
@@ -115,6 +167,11 @@ class ReaderStats(StageStats):
     alarm_reasons: tuple[str, ...]
     notices: tuple[NoticeSent, ...]      # the last 20
     unparsed_bytes: int
+    user: str | None                     # who logged in; None before connection.start-ok
+    recv_oct: int                        # bytes read from the socket, since it was accepted
+    send_oct: int                        # bytes written to it
+    client_properties: ClientProperties | None
+    channel_unacked: dict[str, int]      # channel number -> deliveries not yet acked (channels with some)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +184,10 @@ class ChannelStats(StageStats):
     confirms_sent: int                   # basic.ack frames
     nacks_sent: int
     confirm_mode: str                    # 'none', 'confirm' or 'tx'
+    confirmed: int                       # publishes acked to the client (messages, not frames)
+    prefetch_count: int                  # basic.qos for each new consumer
+    global_prefetch_count: int           # basic.qos global=true
+    consumer_count: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,6 +219,8 @@ class QueueStats(StageStats):
     journal_fsyncs: int
     dead_letters_sent: int
     dead_letter_cycles: int
+    consumer_details: tuple[ConsumerDetail, ...]   # at most CONSUMER_DETAILS_KEPT
+    consumer_details_omitted: int | None = field(default=None, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +348,7 @@ def unknown_fields(msg: dict) -> set[str]:
     return set(msg) - {"type"} - {name for name, _, _ in _fields(cls)}
 
 
-__all__ = ["ChannelStats", "LinkStats", "NOT_A_COLUMN", "NoticeSent", "OPTIONAL", "QueueStats",
+__all__ = ["CLIENT_CAPABILITIES_MAX", "CLIENT_TEXT_MAX", "CONSUMER_DETAILS_KEPT", "ChannelStats", "ClientProperties",
+           "ConsumerDetail", "LinkStats", "NOT_A_COLUMN", "NoticeSent", "OPTIONAL", "QueueStats",
            "ReaderStats", "STATS_TYPES", "SchemaConflict", "Snapshot", "StageStats", "StoreStats", "WatchdogStats",
            "is_column", "message_of", "not_columns", "row_of", "stats_columns", "type_hints", "unknown_fields"]
