@@ -164,6 +164,14 @@ def management_port_arg(text: str):
     return value
 
 
+def port_arg(text: str) -> int:
+    """A TCP port: 0 (any free one) to 65535."""
+    value = nonneg_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
 MANAGEMENT_PORT = 15672         # RabbitMQ's management plugin's
 
 
@@ -296,6 +304,9 @@ def build_parser() -> Parser:
     run.add_argument("-L", "--consumer-latency", type=nonneg_int, default=0, help="µs each consumer spends per message")
     run.add_argument("--run-dir", default=None, help="where to write the run (default runs/<time>)")
     run.add_argument("--port", type=nonneg_int, default=0, help="broker port (default: any free port)")
+    run.add_argument("--metrics-port", type=port_arg, default=None, metavar="PORT",
+                     help="serve the load's figures for Prometheus on 127.0.0.1:PORT/metrics while it runs "
+                          "(PerfTest's perftest_* names; 0: any free port, printed and in config.json)")
     run.add_argument("--uri", default=None, metavar="amqp://USER:PASS@HOST:PORT/VHOST",
                      help="drive this broker (a RabbitMQ, a creditflow serve) instead of starting one; "
                           "the broker options below then do not apply")

@@ -33,6 +33,7 @@ ALREADY_REAPED = -1             # stop_broker: the broker had exited and been wa
 EXIT_LOAD_FAILED = 1             # a publisher or consumer could not connect or set up
 EXIT_LOST = 5
 EXIT_NO_BROKER = 6               # --uri names a broker that cannot be reached (the CLI's code for it too)
+EXIT_PORT_IN_USE = 4            # --metrics-port cannot be bound (serve's code for its ports)
 PLACEHOLDER_PORT = 5672          # a LoadConfig is checked with it before the broker has a port
 STATE_ORDER = ("reader", "channel", "queue", "store")
 
@@ -560,17 +561,32 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
         from pipeline.loadgen.maxrate import RateSearch
         search = RateSearch(load.rate * load.producers, load.copies_consumed)
 
+    load_metrics = extra = None
+    if getattr(args, "metrics_port", None) is not None:
+        from pipeline.loadgen.metrics import MetricsServer
+        try:
+            load_metrics = MetricsServer(args.metrics_port)
+        except OSError as exc:
+            print(f"creditflow run: --metrics-port {args.metrics_port}: {exc}", file=sys.stderr)
+            return EXIT_PORT_IN_USE
+        extra = {"metrics_port": load_metrics.port}
+        print(f"load metrics (PerfTest's perftest_* names): http://127.0.0.1:{load_metrics.port}/metrics", flush=True)
+
     def each_second(rep, status, ctl):
+        if load_metrics is not None:
+            load_metrics.update(rep)
         return view.second(format_line(rep), states_line(status), status)
     try:
         if getattr(args, "uri", None):
             def each_remote_second(rep, line, _ctl):
+                if load_metrics is not None:
+                    load_metrics.update(rep)
                 return view.second(format_line(rep), line, {})
             try:
                 with view:
                     summary, result = execute_remote(load, run_dir, management_uri=args.management_uri,
                                                      on_second=each_remote_second, on_drain=view.log,
-                                                     search=search, plan=plan, on_step=each_step)
+                                                     search=search, plan=plan, on_step=each_step, extra=extra)
             except BrokerUnreachable as exc:
                 print(f"creditflow run: {exc}", file=sys.stderr)
                 return EXIT_NO_BROKER
@@ -578,10 +594,13 @@ def run_harness(args, load: LoadConfig | None = None) -> int:
             cfg = broker_config(args, run_dir, args.port)
             with view:
                 summary, result = execute(cfg, load, on_second=each_second, on_drain=view.log, on_log=view.log,
-                                          search=search, plan=plan, on_step=each_step)
+                                          search=search, plan=plan, on_step=each_step, extra=extra)
     except WorkerFailed as exc:          # e.g. a declare the broker refused (406 inequivalent arg)
         print(f"creditflow run: the load could not start: {exc}", file=sys.stderr)
         return EXIT_LOAD_FAILED
+    finally:
+        if load_metrics is not None:
+            load_metrics.stop()
     print(f"run directory: {run_dir}")
     write_outputs(args, summary, result)
     for line in outcome_lines(summary):

@@ -71,6 +71,9 @@ class SecondReport:
     published: int                # cumulative
     delivered: int                # cumulative
     histograms: dict | None = None  # the second's latency as HdrHistogram base64 text, per kind
+    confirmed_total: int = 0      # cumulative
+    nacked_total: int = 0         # cumulative
+    returned_total: int = 0       # cumulative
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,8 @@ class ReportBook:
             consumer=latency.percentiles(consumer),
             confirm=latency.percentiles(confirm) if confirm is not None else None,
             blocked=blocked, published=self._sum("publisher", "sent"), delivered=self._sum("consumer", "received"),
-            histograms=encoded)
+            histograms=encoded, confirmed_total=self._sum("publisher", "confirmed"),
+            nacked_total=self._sum("publisher", "nacked"), returned_total=self._sum("publisher", "returned"))
 
     def mark_window(self) -> None:
         """The producing window ends now: remember each worker's latest report for the average rates."""
