@@ -1091,6 +1091,10 @@ class Supervisor:
             return {"ok": True, **self.status()}
         if cmd == "alarms":
             return {"ok": True, "alarms": self.alarms}
+        if cmd == "topology":           # the management API's exchanges and bindings
+            routing = self.defs.routing
+            return {"ok": True, "exchanges": [_text_fields(dataclasses.asdict(x)) for x in routing.exchanges()],
+                    "bindings": [_text_fields(dataclasses.asdict(b)) for b in routing.bindings()]}
         if cmd in ("set_watermark", "set_disk_free_limit"):
             wd = self.procs.get("watchdog")
             if wd is None or wd.state != "running":
@@ -1554,6 +1558,17 @@ def _json_value(value):
     if isinstance(value, (list, tuple)):
         return [_json_value(v) for v in value]
     return str(value)
+
+
+def _text_fields(value):
+    """Names, keys and arguments held as bytes (AMQP shortstrs), as text for JSON."""
+    if isinstance(value, (bytes, bytearray)):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, dict):
+        return {_text_fields(k): _text_fields(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_text_fields(v) for v in value]
+    return value
 
 
 def _nproc_limit() -> int | None:

@@ -342,3 +342,41 @@ def test_management_port_off_and_in_use(start_broker, tmp_path):
                                         str(tmp_path / "other")), capture_output=True, text=True, cwd=ROOT,
                          timeout=30)
     assert out.returncode == 4 and f"management port {taken} is already in use" in out.stderr
+
+
+RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not __import__("os").path.exists(RABBITMQADMIN),
+                    reason="rabbitmqadmin is not installed (Debian's rabbitmq-server ships it)")
+def test_rabbitmqadmin_reads_queues_exchanges_bindings_and_connections(start_broker):
+    """RabbitMQ's own command-line client, unchanged, against the management port."""
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    ch = conn.channel()
+    ch.queue_declare("adm-q")
+    ch.exchange_declare("adm-x", "topic")
+    ch.queue_bind("adm-q", "adm-x", "orders.#")
+
+    def admin(*args: str) -> list[list[str]]:
+        done = subprocess.run([RABBITMQADMIN, "-P", str(port), "-f", "tsv", *args], capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return [line.split("\t") for line in done.stdout.splitlines()]
+
+    try:
+        deadline = time.monotonic() + 10
+        while ["adm-q", "0"] not in admin("list", "queues", "name", "messages") and time.monotonic() < deadline:
+            time.sleep(0.3)
+        assert ["adm-q", "0"] in admin("list", "queues", "name", "messages")
+        assert ["adm-x", "topic"] in admin("list", "exchanges", "name", "type")
+        assert ["adm-x", "adm-q", "orders.#"] in admin("list", "bindings", "source", "destination", "routing_key")
+        assert ["", "adm-q", "adm-q"] in admin("list", "bindings", "source", "destination", "routing_key")
+        assert any(row and row[0] == "running" for row in admin("list", "connections", "state"))
+        overview = admin("show", "overview")
+        assert overview[0][0] == "rabbitmq_version" and overview[1][0] == "3.10.8"
+    finally:
+        conn.close()

@@ -13,6 +13,7 @@ only its own thread here. One status serves every request for
 Paths: ``/api/overview``, ``/api/nodes``, ``/api/connections``, ``/api/channels``,
 ``/api/queues[/VHOST[/NAME]]``, ``/api/consumers``, ``/api/health/checks/alarms``,
 ``/api/health/checks/local-alarms``, ``/api/whoami``, ``/api/vhosts``,
+``/api/exchanges``, ``/api/bindings``,
 ``/api/creditflow/processes``, ``/api/creditflow/links`` (HTTP basic auth with
 the broker's users; ``?columns=a,b.c`` as RabbitMQ's), and ``/metrics``
 (``/metrics/per-object`` alike; no auth, as RabbitMQ's prometheus plugin).
@@ -34,7 +35,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ipc import control
 from ipc.errors import CorruptRecord, PeerGone
 from pipeline.ctlclient import BrokerNotRunning, CtlClient
-from pipeline.management.views import VHOST, RateBook, Views, select_columns, whoami
+from pipeline.management.views import (VHOST, RateBook, Views, bindings_view, exchanges_view, select_columns,
+                                       whoami)
 
 STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share it
 CTL_TIMEOUT_S = 10.0
@@ -70,12 +72,17 @@ class StatusSource:
                 self.rates.observe(self.status.get("now_ns", 0) / 1e9, self.status)
             return self.status
 
-    def _ask(self) -> dict:
+    def topology(self) -> dict:
+        """Exchanges and bindings, asked afresh (only ``/api/exchanges`` and ``/api/bindings`` need them)."""
+        with self.lock:
+            return self._ask("topology")
+
+    def _ask(self, cmd: str = "status") -> dict:
         for attempt in (1, 2):        # a second try on a fresh connection (the supervisor dropped ours)
             try:
                 if self.client is None:
                     self.client = CtlClient(path=self.ctl_path, timeout_s=CTL_TIMEOUT_S)
-                reply = self.client.request("status")
+                reply = self.client.request(cmd)
                 if reply.get("ok"):
                     return reply
                 raise BrokerUnavailable(str(reply.get("error")))
@@ -163,6 +170,11 @@ class App:
             return 200, [c for c in views.consumers() if len(parts) == 1 or c["queue"]["vhost"] == parts[1]]
         if parts in (["health", "checks", "alarms"], ["health", "checks", "local-alarms"]):
             return views.health_alarms("cluster" if parts[2] == "alarms" else "node")
+        if parts[:1] in (["exchanges"], ["bindings"]) and len(parts) <= 2:
+            topology = self.source.topology()
+            rows = (exchanges_view(topology) if parts[0] == "exchanges"
+                    else bindings_view(topology, [q["name"] for q in views.queues()]))
+            return 200, [r for r in rows if len(parts) == 1 or r["vhost"] == parts[1]]
         if parts == ["creditflow", "processes"]:
             return 200, views.processes_view()
         if parts == ["creditflow", "links"]:

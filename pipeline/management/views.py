@@ -531,3 +531,36 @@ def format_cell(value) -> str:
     if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"), default=str)
     return str(value).replace("\t", " ").replace("\n", " ")
+
+
+# -- exchanges and bindings (``ctl topology``) ------------------------------------------------------------
+def _text(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def exchanges_view(topology: dict) -> list[dict]:
+    """``/api/exchanges``: the default exchange (named "") first, as RabbitMQ lists it."""
+    rows = [{"name": "", "vhost": VHOST, "type": "direct", "durable": True, "auto_delete": False,
+             "internal": False, "arguments": {}, "user_who_performed_action": "rmq-internal"}]
+    for x in sorted(topology.get("exchanges") or [], key=lambda x: _text(x["name"])):
+        name = _text(x["name"])
+        if not name:
+            continue
+        rows.append({"name": name, "vhost": VHOST, "type": x["type"], "durable": bool(x["durable"]),
+                     "auto_delete": bool(x["auto_delete"]), "internal": bool(x["internal"]),
+                     "arguments": x.get("arguments") or {},
+                     "user_who_performed_action": "rmq-internal" if name.startswith("amq.") else "guest"})
+    return rows
+
+
+def bindings_view(topology: dict, queues) -> list[dict]:
+    """``/api/bindings``: each queue's binding to the default exchange (implicit, as RabbitMQ lists it),
+    then every exchange-to-queue and exchange-to-exchange binding."""
+    rows = [{"source": "", "vhost": VHOST, "destination": q, "destination_type": "queue", "routing_key": q,
+             "arguments": {}, "properties_key": q} for q in sorted(queues)]
+    for b in topology.get("bindings") or []:
+        key = _text(b["routing_key"])
+        rows.append({"source": _text(b["source"]), "vhost": VHOST, "destination": _text(b["destination"]),
+                     "destination_type": "exchange" if b["to_exchange"] else "queue", "routing_key": key,
+                     "arguments": b.get("arguments") or {}, "properties_key": key or "~"})
+    return rows
