@@ -212,20 +212,26 @@ def raw_amqp_connection(port: int) -> socket.socket:
     return s
 
 
+def run_group(cmd: list[str], timeout_s: float, stderr=subprocess.PIPE) -> tuple[int, str, str]:
+    """Run ``cmd`` from the checkout in a process group of its own, killed however it ends:
+    (exit code, stdout, stderr; None with ``stderr=subprocess.STDOUT``)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True, cwd=ROOT)
+    _started.append(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        kill_group(proc)
+    return proc.returncode, out, err
+
+
 def run_creditflow(run_dir: Path, *args: str, timeout_s: float = 90) -> tuple[int, str, dict]:
     """``creditflow run`` into ``run_dir``, its process group killed however it ends:
     (exit code, output, summary.json or {})."""
-    proc = subprocess.Popen(creditflow_cmd("run", "--run-dir", str(run_dir), "--plain", *args),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, cwd=ROOT)
-    _started.append(proc)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        kill_group(proc)
+    code, out, _ = run_group(creditflow_cmd("run", "--run-dir", str(run_dir), "--plain", *args), timeout_s,
+                             stderr=subprocess.STDOUT)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return proc.returncode, out, summary
+    return code, out, summary
 
 
 @pytest.fixture(scope="session")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, _started, kill_group
+from conftest import run_group
 from pipeline.stress import catalogue
 from pipeline.stress.catalogue import FAIL, PASS, SKIP, judge
 
@@ -97,14 +96,7 @@ def test_every_scenario_has_a_judge_and_a_runner():
 
 # -- the command ------------------------------------------------------------------------------------
 def stress(*args: str, timeout_s: float = 60) -> tuple[int, str, str]:
-    proc = subprocess.Popen([*STRESS, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=ROOT)
-    _started.append(proc)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    finally:
-        kill_group(proc)
-    return proc.returncode, out, err
+    return run_group([*STRESS, *args], timeout_s)
 
 
 def test_list_describes_every_scenario():

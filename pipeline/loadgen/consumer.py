@@ -351,7 +351,6 @@ class Consumer:
         self.recorder = latency.LatencyRecorder()
         self.stream: DeliveryStream | None = None
         self.acked_tag = 0
-        self.started_ns = 0
         self.held = False                          # the last take stopped at -D or --consumer-rate
         self.pace_ns = 0                           # --consumer-rate: when the next message may be taken
         self.latencies: Steps | None = None       # --variable-latency: the per-message latency in force
@@ -425,7 +424,7 @@ class Consumer:
         self.stream = DeliveryStream(start_ns, self.recorder, frame_max=self.client.frame_max,
                                      check_sequence=cfg.consumers_on(self.queue) == 1,
                                      delay_us=cfg.consumer_latency_us, clock=self.clock)
-        self.started_ns = self.pace_ns = start_ns
+        self.pace_ns = start_ns
         if cfg.variable_latency:
             self.latencies = Steps(cfg.variable_latency, start_ns)
         self.client.set_nonblocking()

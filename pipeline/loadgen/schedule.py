@@ -99,11 +99,6 @@ class SendSchedule:
             return self.first_start_ns if not self.taken else None
         return self._intended()
 
-    def interval_ns(self, at_ns: int) -> float | None:
-        """The gap between two intended sends at ``at_ns`` (None: unlimited or paused)."""
-        rate = Steps(self.steps, self.first_start_ns).value_at(at_ns)
-        return NS_PER_S / rate if rate else None
-
     def due(self, now_ns: int, room: int) -> list[int]:
         """Intended times of the messages to send now (at most ``room``); they count as taken."""
         out: list[int] = []
