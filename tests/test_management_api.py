@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import subprocess
 import time
+import types
+import typing
 import urllib.error
 import urllib.request
 
@@ -14,13 +17,43 @@ import pytest
 
 from conftest import ROOT, creditflow_cmd
 from pipeline.management.views import (RateBook, UnknownColumn, Views, list_rows, retire, select_columns)
+from pipeline.telemetry import schema
 
 NODE = "creditflow@localhost"
 
 
-def proc(kind: str, **fields) -> dict:
-    return {"kind": kind, "alive": True, "state": "running", "pid": 10, "seconds": {"running": 1.0, "total": 1.0},
-            "blocked_total_ns": 0, "links": {}, **fields}
+SUPERVISOR_KEYS = ("alive", "seconds", "restarts", "host", "peer", "owner")     # what the supervisor adds
+
+
+def zero(tp):
+    """The plain (JSON) zero value of a statistics field's type."""
+    hints_of = schema.type_hints
+    if tp in (int, float, bool, str):
+        return tp()
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return None
+    if origin in (tuple, list):
+        return []
+    if origin is dict:
+        return {}
+    if dataclasses.is_dataclass(tp):
+        return {f.name: zero(hints_of(tp)[f.name]) for f in dataclasses.fields(tp)}
+    raise TypeError(tp)
+
+
+def proc(name: str, kind: str, **fields) -> dict:
+    """A process's entry in ``status["processes"]``: its kind's statistics message (every field zero but
+    those given, which must be fields of its class) and the supervisor's keys beside it."""
+    cls = schema.STATS_TYPES[kind]
+    sup = {"alive": True, "seconds": {"running": 1.0, "total": 1.0}, "restarts": 0, "host": None,
+           "state": "running"}                # the supervisor's state_at, over the stage's own
+    sup.update({k: fields.pop(k) for k in (*SUPERVISOR_KEYS, "state") if k in fields})
+    msg = {f.name: zero(schema.type_hints(cls)[f.name]) for f in dataclasses.fields(cls)
+           if not f.metadata.get("optional")}
+    msg.update({"name": name, "kind": kind, "pid": 10, **fields})
+    assert not schema.unknown_fields(msg), schema.unknown_fields(msg)
+    return {**msg, **sup}
 
 
 def status(now_ns: int = 10**12, *, publish: int = 0, alarms=None, queue_state="running", **extra) -> dict:
@@ -28,19 +61,21 @@ def status(now_ns: int = 10**12, *, publish: int = 0, alarms=None, queue_state="
         "node": NODE, "pid": 1, "port": 5672, "now_ns": now_ns, "alarms": alarms or {},
         "fd": {"used": 40, "limit": 1024, "alarm": False},
         "processes": {
-            "reader-1": proc("reader", conn_state="flow", channels=1, client_name="app", publishes=publish,
-                             peer="127.0.0.1:50712 -> 127.0.0.1:5672"),
-            "channel-1.1": proc("channel", number=1, routed=publish, unroutable=0, returned=0, unconfirmed=2,
-                                confirm_mode="confirm", owner="reader-1", state="flow", blocked=True,
-                                blocked_by=["queue-q1"], blocked_total_ns=1_500_000_000,
+            "reader-1": proc("reader-1", "reader", conn_state="flow", channels=1, client_name="app",
+                             publishes=publish, peer="127.0.0.1:50712 -> 127.0.0.1:5672"),
+            "channel-1.1": proc("channel-1.1", "channel", number=1, routed=publish, unconfirmed=2,
+                                confirmed=max(0, publish - 2), confirm_mode="confirm", owner="reader-1",
+                                state="flow", blocked=True, blocked_by=["queue-q1"], blocked_total_ns=1_500_000_000,
                                 seconds={"running": 1.0, "flow": 2.0, "total": 3.0}),
-            "queue-q1": proc("queue", queue="q1", messages=7, unacked=3, consumers=2, enqueued=publish,
+            "queue-q1": proc("queue-q1", "queue", queue="q1", messages=7, unacked=3, consumers=2, enqueued=publish,
                              delivered=5, acked=2, message_bytes=700, state=queue_state),
-            "watchdog": proc("watchdog", memory_used=100, memory_limit=1000, disk_free=5000, disk_limit=50,
-                             strategy="rss"),
+            "watchdog": proc("watchdog", "watchdog", memory_used=100, memory_limit=1000, disk_free=5000,
+                             disk_limit=50, strategy="rss"),
         },
-        "links": {"reader-1->channel-1.1": {"sent": publish, "in_flight": 4, "credit": 396, "max_in_flight": 9},
-                  "channel-1.1->reader-1": {"sent": 0, "in_flight": 0, "credit": None}},
+        "links": {"reader-1->channel-1.1": {"sent": publish, "records": publish, "in_flight": 4, "max_in_flight": 9,
+                                            "overflow": 0, "credit": 396},
+                  "channel-1.1->reader-1": {"sent": 0, "records": 0, "in_flight": 0, "max_in_flight": 0,
+                                            "overflow": 0, "credit": None}},
         "queues": {"q1": {"proc": "queue-q1", "durable": True, "down": False, "exclusive": False,
                           "auto_delete": False, "arguments": {"x-max-length": 1000}}},
         "routing": {"exchanges": 6}, **extra,
@@ -58,7 +93,7 @@ def test_objects_carry_rabbitmqs_names_and_the_process_behind_them():
     assert chan["name"] == "127.0.0.1:50712 -> 127.0.0.1:5672 (1)" and chan["confirm"] is True
     assert chan["connection_details"]["name"] == conn["name"] and chan["messages_unconfirmed"] == 2
     assert chan["creditflow"]["blocked_by"] == ["queue-q1"] and chan["creditflow"]["flow_seconds"] == 2.0
-    assert chan["message_stats"]["confirm"] == 8                  # 10 published, 2 still unconfirmed
+    assert chan["message_stats"]["confirm"] == 8                  # as the channel counted them
     q, = v.queues()
     assert (q["messages"], q["messages_ready"], q["messages_unacknowledged"], q["consumers"]) == (10, 7, 3, 2)
     assert q["arguments"] == {"x-max-length": 1000} and q["message_stats"]["publish"] == 10
@@ -136,7 +171,7 @@ def test_what_the_stages_report_fills_connections_channels_and_consumers():
     chan, = v.channels()
     assert (chan["user"], chan["prefetch_count"], chan["consumer_count"], chan["messages_unacknowledged"]) == (
         "guest", 7, 1, 4)                                     # unacked: the reader counts them per channel
-    assert chan["message_stats"]["confirm"] == 6              # as the channel counted it, not publish - unconfirmed
+    assert chan["message_stats"]["confirm"] == 6              # as the channel counted it
     named, unnamed = v.consumers()                            # the queue counts 2, lists 1
     assert named["consumer_tag"] == "ctag-a" and named["prefetch_count"] == 7 and named["ack_required"] is True
     assert named["channel_details"] == {"name": chan["name"], "number": 1, "connection_name": conn["name"],

@@ -111,6 +111,21 @@ def test_a_field_a_class_does_not_define_cannot_be_sent():
     assert schema.unknown_fields({"type": "stats", "kind": "reader", **a_reader().to_dict(), "extra": 1}) == {"extra"}
 
 
+def test_a_message_reads_back_as_its_class_and_a_missing_or_misshapen_field_is_refused():
+    reader = a_reader()
+    msg = json.loads(json.dumps({"type": "stats", **reader.to_dict()}))
+    assert schema.stats_of({**msg, "alive": True, "seconds": {"flow": 1.0}}) == reader     # the supervisor's keys aside
+    queue = a_queue(schema.CONSUMER_DETAILS_KEPT + 5)
+    assert schema.stats_of(json.loads(json.dumps(queue.to_dict()))) == queue
+
+    with pytest.raises(schema.SchemaMismatch, match="ReaderStats lacks publishes"):
+        schema.stats_of({k: v for k, v in msg.items() if k != "publishes"})
+    with pytest.raises(schema.SchemaMismatch, match="ReaderStats.recv_oct"):
+        schema.stats_of({**msg, "recv_oct": "700"})
+    with pytest.raises(schema.SchemaMismatch, match="no statistics class"):
+        schema.stats_of({**msg, "kind": "host"})
+
+
 def test_the_store_sends_its_fsyncs_but_they_are_no_column():
     store = StoreStats(**stage_fields("store", "store"), writes=1, removes=0, fsyncs=1, adopted=0, disk_full=False,
                        disk_full_episodes=0, held_writes=0, fsync_ms_total=1.5,
@@ -118,6 +133,7 @@ def test_the_store_sends_its_fsyncs_but_they_are_no_column():
     msg = {"type": "stats", **store.to_dict()}
 
     assert msg["fsync_events"] == [[T0_NS, 1_500_000]] and msg["segments"]["files"] == 0
+    assert schema.stats_of(json.loads(json.dumps(msg))) == store
     assert "fsync_events" not in schema.row_of(msg) and "type" not in schema.row_of(msg)
     assert "fsync_events" not in tp.STATS_SCHEMA.names
 
@@ -340,6 +356,8 @@ def test_every_stage_of_a_real_broker_sends_exactly_its_class(broker):
     for kind, keys in STATUS_KEYS.items():                # the supervisor may add keys of its own, never lose one
         assert set(keys.split()) <= shown[kind], kind
     assert sorted({k for link in status["links"].values() for k in link}) == sorted(LINK_KEYS)
+    for p in status["processes"].values():                # what the management API reads: the classes' fields
+        assert type(schema.stats_of(p)) is STATS_TYPES[p["kind"]]
 
     rows: list[dict] = []
     deadline = time.monotonic() + 10                      # the Recorder flushes its JSON lines once a second
@@ -350,6 +368,7 @@ def test_every_stage_of_a_real_broker_sends_exactly_its_class(broker):
             rows = [json.loads(line) for line in f if line.endswith("\n")]
     for row in rows:                                       # each row is what a stage sent, less type
         assert schema.unknown_fields(row) == set(), row["name"]
+        assert schema.stats_of(row).name == row["name"]
         assert message_keys(STATS_TYPES[row["kind"]]) <= set(row), row["name"]
     conn.close()
 

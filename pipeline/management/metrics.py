@@ -26,6 +26,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Hist
 from prometheus_client.registry import Collector
 
 from pipeline.management.views import VHOST, Views
+from pipeline.telemetry.schema import ReaderStats
 
 PROCESS_STATES = ("running", "flow", "blocking", "blocked", "closing")
 KINDS_SHOWN = ("reader", "channel", "queue", "store")        # processes with a credit-flow state
@@ -84,12 +85,11 @@ def families(status: dict) -> list:
         family = CounterMetricFamily(name, help_text, labels=amqp)
         family.add_metric(["amqp091"], max(0, value))
         out.append(family)
-    retired = (status.get("retired") or {}).get("reader") or {}
+    octets = views.connection_octets()
     for name, help_text, key in (
             ("rabbitmq_connection_incoming_bytes", "Total number of bytes received on a connection", "recv_oct"),
             ("rabbitmq_connection_outgoing_bytes", "Total number of bytes sent on a connection", "send_oct")):
-        value = int(retired.get(key) or 0) + sum(int(p.get(key) or 0) for _, p in views.live("reader"))
-        out.append(CounterMetricFamily(name, help_text, value=value))
+        out.append(CounterMetricFamily(name, help_text, value=octets[key]))
     channels = views.channels()
     for name, help_text, key in (
             ("rabbitmq_channel_consumers", "Consumers on a channel", "consumer_count"),
@@ -137,17 +137,16 @@ def families(status: dict) -> list:
                                "or blocked less than 1 s ago)", labels=["kind", "name"])
     blocked = CounterMetricFamily("creditflow_blocked_seconds", "Seconds the process has been credit-blocked",
                                   labels=["kind", "name"])
-    for name, p in sorted(views.processes.items()):
-        kind = p.get("kind")
-        if not p.get("alive") or kind not in KINDS_SHOWN:
-            continue
-        now = p.get("conn_state") or p.get("state")
-        for s in PROCESS_STATES:
-            if s in ("blocking", "blocked", "closing") and kind != "reader":
-                continue
-            state.add_metric([kind, name, s], 1 if now == s else 0)
-        flow.add_metric([kind, name], float((p.get("seconds") or {}).get("flow", 0.0)))
-        blocked.add_metric([kind, name], (p.get("blocked_total_ns") or 0) / 1e9)
+    for kind in KINDS_SHOWN:
+        for name, st in views.live(kind):
+            now = st.conn_state if isinstance(st, ReaderStats) else st.state
+            for s in PROCESS_STATES:
+                if s in ("blocking", "blocked", "closing") and kind != "reader":
+                    continue
+                state.add_metric([kind, name, s], 1 if now == s else 0)
+            extra = views.process_extra(name)
+            flow.add_metric([kind, name], extra["flow_seconds"])
+            blocked.add_metric([kind, name], extra["blocked_seconds"])
     out += [state, flow, blocked]
 
     link_labels = ["sender", "receiver"]

@@ -27,7 +27,11 @@ sample at least ``RATE_SPAN_S`` older than the current one.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+
+from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, ReaderStats, SchemaMismatch, Snapshot,
+                                       WatchdogStats, stats_of)
 
 VHOST = "/"
 API_VERSION = "3.10.8"           # the RabbitMQ release whose API shapes these views follow
@@ -41,47 +45,42 @@ ALARM_RESOURCES = {"memory": "memory", "disk": "disk"}
 
 
 # -- counters: what each process's statistics add to message_stats ------------------------------------
-def channel_counters(st: dict) -> dict[str, int]:
-    """A channel's publishes, confirms, returns and drops. Confirms are messages: the channel's
-    ``confirmed`` if it reports it, else its publishes less those still unconfirmed (exact when
-    confirm.select came before the first publish and nothing was nacked)."""
-    publish = int(st.get("routed") or 0) + int(st.get("unroutable") or 0)
-    if "confirmed" in st:
-        confirm = int(st["confirmed"] or 0)
-    elif st.get("confirm_mode") == "confirm":
-        confirm = max(0, publish - int(st.get("unconfirmed") or 0))
-    else:
-        confirm = 0
-    returned = int(st.get("returned") or 0)
-    return {"publish": publish, "confirm": confirm, "return_unroutable": returned,
-            "drop_unroutable": max(0, int(st.get("unroutable") or 0) - returned)}
+def channel_counters(st: ChannelStats) -> dict[str, int]:
+    """A channel's publishes, confirms (messages acked to the client), returns and drops."""
+    return {"publish": st.routed + st.unroutable, "confirm": st.confirmed, "return_unroutable": st.returned,
+            "drop_unroutable": max(0, st.unroutable - st.returned)}
 
 
-def queue_counters(st: dict) -> dict[str, int]:
-    delivered = int(st.get("delivered") or 0)
-    return {"publish": int(st.get("enqueued") or 0), "deliver_get": delivered, "deliver": delivered,
-            "redeliver": int(st.get("redelivered") or 0), "ack": int(st.get("acked") or 0)}
+def queue_counters(st: QueueStats) -> dict[str, int]:
+    return {"publish": st.enqueued, "deliver_get": st.delivered, "deliver": st.delivered,
+            "redeliver": st.redelivered, "ack": st.acked}
 
 
-def connection_counters(st: dict) -> dict[str, int]:
-    return {"recv_oct": int(st.get("recv_oct") or 0), "send_oct": int(st.get("send_oct") or 0)}
+def connection_counters(st: ReaderStats) -> dict[str, int]:
+    return {"recv_oct": st.recv_oct, "send_oct": st.send_oct}
 
 
 COUNTERS = {"channel": channel_counters, "queue": queue_counters, "reader": connection_counters}
 
 
-def counters(kind: str | None, st: dict) -> dict[str, int]:
+def counters(kind: str | None, st: Snapshot) -> dict[str, int]:
     fn = COUNTERS.get(kind or "")
     return fn(st) if fn is not None else {}
 
 
-def retire(retired: dict, kind: str | None, st: dict) -> None:
-    """Add an ended process's last counters into ``retired`` ({kind: {counter: total}})."""
-    got = counters(kind, st)
-    if got:
-        into = retired.setdefault(kind, {})
-        for key, value in got.items():
-            into[key] = into.get(key, 0) + value
+def retire(retired: dict, kind: str | None, msg: dict) -> None:
+    """Add an ended process's last counters (its last stats message) into ``retired`` ({kind: {counter:
+    total}}). A message that is no statistics of its kind adds nothing (it is the test suite's business
+    that every stage's is)."""
+    if kind not in COUNTERS:
+        return
+    try:
+        got = counters(kind, stats_of(msg))
+    except SchemaMismatch:
+        return
+    into = retired.setdefault(kind, {})
+    for key, value in got.items():
+        into[key] = into.get(key, 0) + value
 
 
 # -- rates ------------------------------------------------------------------------------------------------
@@ -123,22 +122,20 @@ def sample_counters(status: dict) -> dict[tuple, float]:
     out: dict[tuple, float] = {}
     for key, value in views.totals().items():
         out[("overview", key)] = value
-    for proc, q in views.live("queue"):
-        name = str(q.get("queue") or proc.removeprefix("queue-"))
+    for _, q in views.live("queue"):
         for key, value in queue_counters(q).items():
-            out[("queue", name, key)] = value
-        ready, unacked = int(q.get("messages") or 0), int(q.get("unacked") or 0)
-        out[("queue", name, "messages_ready")] = ready
-        out[("queue", name, "messages_unacknowledged")] = unacked
-        out[("queue", name, "messages")] = ready + unacked
+            out[("queue", q.queue, key)] = value
+        out[("queue", q.queue, "messages_ready")] = q.messages
+        out[("queue", q.queue, "messages_unacknowledged")] = q.unacked
+        out[("queue", q.queue, "messages")] = q.messages + q.unacked
     for name, ch in views.live("channel"):
         for key, value in channel_counters(ch).items():
             out[("channel", name, key)] = value
     for name, r in views.live("reader"):
         for key, value in connection_counters(r).items():
             out[("reader", name, key)] = value
-    for name, link in (status.get("links") or {}).items():
-        out[("link", name, "sent")] = int(link.get("sent") or 0)
+    for name, link in views.links().items():
+        out[("link", name, "sent")] = link.sent
     depth = views.queue_depths()
     for key, value in depth.items():
         out[("overview", key)] = value
@@ -166,22 +163,38 @@ def parse_peer(peer: str) -> tuple[str | None, int | None, str | None, int | Non
 
 # -- the views ----------------------------------------------------------------------------------------------
 class Views:
-    """RabbitMQ-shaped objects from one ``status``; ``rates`` (a RateBook that has seen it) or none (0.0)."""
+    """RabbitMQ-shaped objects from one ``status``; ``rates`` (a RateBook that has seen it) or none (0.0).
+
+    A process's statistics are read as its kind's class (:func:`pipeline.telemetry.schema.stats_of`);
+    what the supervisor adds beside them (``alive``, ``seconds``, ``restarts``, ``host``, ``peer``,
+    ``owner``) is read from its entry in ``status["processes"]``."""
 
     def __init__(self, status: dict, rates: RateBook | None = None) -> None:
         self.status = status
         self.rates = rates
         self.node = str(status.get("node") or "creditflow@localhost")
         self.processes: dict = status.get("processes") or {}
+        self._typed: dict[str, Snapshot] = {}
 
     # helpers
-    def live(self, kind: str):
-        return [(name, p) for name, p in sorted(self.processes.items()) if p.get("kind") == kind and p.get("alive")]
+    def stats(self, name: str) -> Snapshot | None:
+        """Process ``name``'s statistics as its class; None for a process the status does not list."""
+        st = self._typed.get(name)
+        if st is None and name in self.processes:
+            st = self._typed[name] = stats_of(self.processes[name])
+        return st
+
+    def live(self, kind: str) -> list[tuple[str, Snapshot]]:
+        return [(name, self.stats(name)) for name, p in sorted(self.processes.items())
+                if p.get("kind") == kind and p.get("alive")]
+
+    def links(self) -> dict[str, LinkStats]:
+        return {name: LinkStats(**link) for name, link in sorted((self.status.get("links") or {}).items())}
 
     def rate(self, *key) -> float:
         return self.rates.rate(key) if self.rates is not None else 0.0
 
-    def stats(self, prefix: tuple, values: dict) -> dict:
+    def with_rates(self, prefix: tuple, values: dict) -> dict:
         """Each counter and its ``_details`` (``{"rate": per second}``); ``prefix`` names it in the RateBook."""
         out = {}
         for key, value in values.items():
@@ -189,13 +202,16 @@ class Views:
             out[f"{key}_details"] = details(self.rate(*prefix, key))
         return out
 
-    def process_extra(self, name: str, p: dict) -> dict:
+    def process_extra(self, name: str) -> dict:
         """What RabbitMQ has no field for: the process behind the object and its credit flow."""
+        p = self.processes.get(name) or {}
+        st = self.stats(name)
         seconds = p.get("seconds") or {}
-        return {"process": name, "pid": p.get("pid"), "host": p.get("host"), "process_state": p.get("state"),
-                "blocked": bool(p.get("blocked")), "blocked_by": list(p.get("blocked_by") or []),
-                "block_count": int(p.get("block_count") or 0),
-                "blocked_seconds": (p.get("blocked_total_ns") or 0) / 1e9,
+        blocked = getattr(st, "blocked", False)
+        return {"process": name, "pid": st.pid if st else None, "host": p.get("host"),
+                "process_state": getattr(st, "state", None), "blocked": blocked,
+                "blocked_by": list(getattr(st, "blocked_by", ())), "block_count": getattr(st, "block_count", 0),
+                "blocked_seconds": getattr(st, "blocked_total_ns", 0) / 1e9,
                 "flow_seconds": float(seconds.get("flow", 0.0)), "state_seconds": seconds,
                 "restarts": int(p.get("restarts") or 0)}
 
@@ -203,10 +219,15 @@ class Views:
         p = self.processes.get(reader) or {}
         return str(p.get("peer") or reader)
 
-    def channel_owner(self, name: str, p: dict) -> str:
+    def channel_owner(self, name: str) -> str:
+        p = self.processes.get(name) or {}
         if p.get("owner"):
             return str(p["owner"])
         return "reader-" + name[len("channel-"):].split(".", 1)[0]
+
+    def user_of(self, reader: str) -> str | None:
+        st = self.stats(reader)
+        return st.user if isinstance(st, ReaderStats) else None
 
     def totals(self) -> dict[str, int]:
         """Global message counters: live processes plus those the supervisor retired."""
@@ -215,8 +236,8 @@ class Views:
         for kind in ("channel", "queue"):
             for key, value in (retired.get(kind) or {}).items():
                 out[f"{kind}.{key}"] = out.get(f"{kind}.{key}", 0) + int(value)
-            for _, p in self.live(kind):
-                for key, value in counters(kind, p).items():
+            for _, st in self.live(kind):
+                for key, value in counters(kind, st).items():
                     out[f"{kind}.{key}"] = out.get(f"{kind}.{key}", 0) + value
         return {"publish": out.get("channel.publish", 0), "confirm": out.get("channel.confirm", 0),
                 "return_unroutable": out.get("channel.return_unroutable", 0),
@@ -225,9 +246,19 @@ class Views:
                 "redeliver": out.get("queue.redeliver", 0), "ack": out.get("queue.ack", 0),
                 "get": 0, "get_no_ack": 0, "deliver_no_ack": 0}
 
+    def connection_octets(self) -> dict[str, int]:
+        """Bytes read and written over every connection: live readers plus those the supervisor retired."""
+        retired = (self.status.get("retired") or {}).get("reader") or {}
+        out = {key: int(retired.get(key) or 0) for key in ("recv_oct", "send_oct")}
+        for _, st in self.live("reader"):
+            for key, value in connection_counters(st).items():
+                out[key] += value
+        return out
+
     def queue_depths(self) -> dict[str, int]:
-        ready = sum(int(p.get("messages") or 0) for _, p in self.live("queue"))
-        unacked = sum(int(p.get("unacked") or 0) for _, p in self.live("queue"))
+        queues = [st for _, st in self.live("queue")]
+        ready = sum(q.messages for q in queues)
+        unacked = sum(q.unacked for q in queues)
         return {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked}
 
     def alarms(self) -> list[str]:
@@ -253,7 +284,7 @@ class Views:
             "management_version": API_VERSION, "rates_mode": "basic", "rabbitmq_version": API_VERSION,
             "product_name": PRODUCT, "product_version": PRODUCT_VERSION, "cluster_name": self.node,
             "node": self.node, "erlang_version": None, "disable_stats": False, "enable_queue_totals": True,
-            "message_stats": self.stats(("overview",), totals),
+            "message_stats": self.with_rates(("overview",), totals),
             "queue_totals": {k: v for key, value in depths.items()
                              for k, v in ((key, value), (f"{key}_details", details(self.rate("overview", key))))},
             "object_totals": {"connections": len(connections), "channels": len(channels),
@@ -264,17 +295,24 @@ class Views:
         }
 
     # /api/nodes
+    def watchdog(self) -> WatchdogStats | None:
+        live = self.live("watchdog")
+        if live:
+            return live[0][1]
+        st = self.stats("watchdog")
+        return st if isinstance(st, WatchdogStats) else None
+
     def nodes(self) -> list[dict]:
-        wd = next((p for _, p in self.live("watchdog")), None) or self.processes.get("watchdog") or {}
+        wd = self.watchdog()
         alarms = self.alarms()
         fd = self.status.get("fd") or {}
         proc = self.status.get("proc") or {}
         return [{
             "name": self.node, "type": "disc", "running": True, "os_pid": str(self.status.get("pid")),
             "uptime": self.status.get("uptime_ms"),
-            "mem_used": wd.get("memory_used"), "mem_limit": wd.get("memory_limit"), "mem_alarm": "memory" in alarms,
-            "mem_calculation_strategy": wd.get("strategy"),
-            "disk_free": wd.get("disk_free"), "disk_free_limit": wd.get("disk_limit"),
+            "mem_used": wd.memory_used if wd else None, "mem_limit": wd.memory_limit if wd else None,
+            "mem_alarm": "memory" in alarms, "mem_calculation_strategy": wd.strategy if wd else None,
+            "disk_free": wd.disk_free if wd else None, "disk_free_limit": wd.disk_limit if wd else None,
             "disk_free_alarm": "disk" in alarms,
             "fd_used": fd.get("used"), "fd_total": fd.get("limit"),
             "sockets_used": len(self.live("reader")), "sockets_total": self.status.get("connection_max"),
@@ -283,98 +321,89 @@ class Views:
         }]
 
     # /api/connections
-    def connection(self, name: str, p: dict) -> dict:
+    def connection(self, name: str, st: ReaderStats) -> dict:
         shown = self.connection_name(name)
-        peer_host, peer_port, host, port = parse_peer(str(p.get("peer") or ""))
-        client = p.get("client_properties")
-        if isinstance(client, dict):            # the reader's ClientProperties: the keys the client sent
-            client = {k: v for k, v in client.items() if v is not None}
+        peer_host, peer_port, host, port = parse_peer(str((self.processes.get(name) or {}).get("peer") or ""))
+        if st.client_properties is not None:       # the keys the client sent
+            client = {k: v for k, v in dataclasses.asdict(st.client_properties).items() if v is not None}
         else:
-            client = {"connection_name": p["client_name"]} if p.get("client_name") else {}
-        octets = connection_counters(p)
+            client = {"connection_name": st.client_name} if st.client_name else {}
         return {
-            "name": shown, "node": self.node, "vhost": p.get("vhost") or VHOST, "user": p.get("user"),
-            "state": p.get("conn_state") or p.get("state"), "channels": int(p.get("channels") or 0),
-            "type": "network", "protocol": "AMQP 0-9-1",
+            "name": shown, "node": self.node, "vhost": VHOST, "user": st.user,
+            "state": st.conn_state, "channels": st.channels, "type": "network", "protocol": "AMQP 0-9-1",
             "peer_host": peer_host, "peer_port": peer_port, "host": host, "port": port,
-            "ssl": bool(p.get("tls")) if "tls" in p else port is not None and port == self.status.get("tls_port"),
-            "client_properties": client, "user_provided_name": p.get("client_name") or None,
-            **self.stats(("reader", name), octets),
-            "creditflow": {**self.process_extra(name, p), "publishes": int(p.get("publishes") or 0),
-                           "deliveries": int(p.get("deliveries") or 0),
-                           "alarm_reasons": list(p.get("alarm_reasons") or [])},
+            "ssl": port is not None and port == self.status.get("tls_port"),
+            "client_properties": client, "user_provided_name": st.client_name or None,
+            **self.with_rates(("reader", name), connection_counters(st)),
+            "creditflow": {**self.process_extra(name), "publishes": st.publishes, "deliveries": st.deliveries,
+                           "alarm_reasons": list(st.alarm_reasons)},
         }
 
     def connections(self) -> list[dict]:
-        return [self.connection(name, p) for name, p in self.live("reader")]
+        return [self.connection(name, st) for name, st in self.live("reader")]
 
     # /api/channels
-    def channel(self, name: str, p: dict) -> dict:
-        owner = self.channel_owner(name, p)
+    def channel(self, name: str, st: ChannelStats) -> dict:
+        owner = self.channel_owner(name)
         conn = self.connection_name(owner)
         peer_host, peer_port, _, _ = parse_peer(conn)
-        number = int(p.get("number") or 0)
-        mode = p.get("confirm_mode")
         return {
-            "name": f"{conn} ({number})", "number": number, "node": self.node, "vhost": VHOST,
-            "user": (self.processes.get(owner) or {}).get("user"),
-            "state": p.get("state"), "confirm": mode == "confirm", "transactional": mode == "tx",
-            "messages_unconfirmed": int(p.get("unconfirmed") or 0),
-            "messages_unacknowledged": self.channel_unacked(owner, p),
-            "prefetch_count": int(p.get("prefetch_count") or 0),
-            "global_prefetch_count": int(p.get("global_prefetch_count") or 0),
-            "consumer_count": int(p.get("consumer_count") or 0),
+            "name": f"{conn} ({st.number})", "number": st.number, "node": self.node, "vhost": VHOST,
+            "user": self.user_of(owner), "state": st.state,
+            "confirm": st.confirm_mode == "confirm", "transactional": st.confirm_mode == "tx",
+            "messages_unconfirmed": st.unconfirmed,
+            "messages_unacknowledged": self.channel_unacked(owner, st.number),
+            "prefetch_count": st.prefetch_count, "global_prefetch_count": st.global_prefetch_count,
+            "consumer_count": st.consumer_count,
             "connection_details": {"name": conn, "peer_host": peer_host, "peer_port": peer_port},
-            "message_stats": self.stats(("channel", name), channel_counters(p)),
-            "creditflow": {**self.process_extra(name, p), "connection_process": owner},
+            "message_stats": self.with_rates(("channel", name), channel_counters(st)),
+            "creditflow": {**self.process_extra(name), "connection_process": owner},
         }
 
-    def channel_unacked(self, owner: str, p: dict) -> int:
+    def channel_unacked(self, owner: str, number: int) -> int:
         """Deliveries on the channel not yet acked: its reader counts them (it assigns the delivery tags)."""
-        if "unacked" in p:
-            return int(p.get("unacked") or 0)
-        by_channel = (self.processes.get(owner) or {}).get("channel_unacked") or {}
-        return int(by_channel.get(str(int(p.get("number") or 0))) or 0)
+        reader = self.stats(owner)
+        return int(reader.channel_unacked.get(str(number), 0)) if isinstance(reader, ReaderStats) else 0
 
     def channel_details(self, proc: str, number: int) -> dict:
         """RabbitMQ's ``channel_details`` of a consumer on channel ``number`` (process ``proc``)."""
-        owner = self.channel_owner(proc, self.processes.get(proc) or {})
+        owner = self.channel_owner(proc)
         conn = self.connection_name(owner)
         peer_host, peer_port, _, _ = parse_peer(conn)
         return {"name": f"{conn} ({number})", "number": number, "connection_name": conn,
-                "peer_host": peer_host, "peer_port": peer_port,
-                "user": (self.processes.get(owner) or {}).get("user")}
+                "peer_host": peer_host, "peer_port": peer_port, "user": self.user_of(owner)}
 
     def channels(self) -> list[dict]:
-        return [self.channel(name, p) for name, p in self.live("channel")]
+        return [self.channel(name, st) for name, st in self.live("channel")]
 
     # /api/queues
+    def live_queue(self, proc: str) -> QueueStats | None:
+        st = self.stats(proc)
+        return st if isinstance(st, QueueStats) and self.processes[proc].get("alive") else None
+
     def queue(self, name: str, definition: dict, detail: bool = False) -> dict:
         proc = definition.get("proc") or f"queue-{name}"
-        p = self.processes.get(proc) or {}
-        alive = bool(p.get("alive"))
-        ready = int(p.get("messages") or 0) if alive else 0
-        unacked = int(p.get("unacked") or 0) if alive else 0
+        q = self.live_queue(proc)
+        ready, unacked = (q.messages, q.unacked) if q else (0, 0)
         depths = {"messages": ready + unacked, "messages_ready": ready, "messages_unacknowledged": unacked}
-        state = "stopped" if definition.get("down") else (p.get("state") if alive else "down")
+        state = "stopped" if definition.get("down") else (q.state if q else "down")
         out = {
             "name": name, "vhost": VHOST, "node": self.node, "type": "classic", "state": state,
             **{k: v for key, value in depths.items()
                for k, v in ((key, value), (f"{key}_details", details(self.rate("queue", name, key))))},
-            "message_bytes": int(p.get("message_bytes") or 0),
-            "message_bytes_ready": int(p.get("message_bytes") or 0),
-            "memory": int(p.get("memory") or p.get("message_bytes") or 0),
-            "messages_paged_out": int(p.get("paged_messages") or 0),
-            "consumers": int(p.get("consumers") or 0) if alive else 0,
+            "message_bytes": q.message_bytes if q else 0, "message_bytes_ready": q.message_bytes if q else 0,
+            "memory": q.message_bytes if q else 0,        # the queue's bodies: its processes share a host
+            "messages_paged_out": q.paged_messages if q else 0,
+            "consumers": q.consumers if q else 0,
             "durable": bool(definition.get("durable")), "auto_delete": bool(definition.get("auto_delete")),
             "exclusive": bool(definition.get("exclusive")), "arguments": definition.get("arguments") or {},
             "policy": None, "operator_policy": None, "effective_policy_definition": {},
-            "message_stats": self.stats(("queue", name), queue_counters(p)) if alive else {},
-            "creditflow": {**self.process_extra(proc, p), "paging": bool(p.get("paging")),
-                           "awaiting_confirm": int(p.get("awaiting_confirm") or 0)},
+            "message_stats": self.with_rates(("queue", name), queue_counters(q)) if q else {},
+            "creditflow": {**self.process_extra(proc), "paging": q.paging if q else False,
+                           "awaiting_confirm": q.awaiting_confirm if q else 0},
         }
         if detail:
-            out["consumer_details"] = self.consumers_of(name, p)
+            out["consumer_details"] = self.consumers_of(name, q)
         return out
 
     def queues(self) -> list[dict]:
@@ -387,20 +416,17 @@ class Views:
         return self.queue(name, definition, detail=True)
 
     # /api/consumers
-    def consumers_of(self, queue: str, p: dict) -> list[dict]:
+    def consumers_of(self, queue: str, q: QueueStats | None) -> list[dict]:
         """The queue's consumers as it reports them (``consumer_details``, at most
-        ``schema.CONSUMER_DETAILS_KEPT``); those it left out, or all of them from a queue that reports
-        only a count, are entries without tag or channel."""
-        if not p.get("alive"):
+        ``schema.CONSUMER_DETAILS_KEPT``); those it left out are entries without tag or channel."""
+        if q is None:
             return []
-        listed = p.get("consumer_details")
-        listed = listed if isinstance(listed, list) else []
-        out = [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": c.get("consumer_tag"),
-                "channel_details": self.channel_details(str(c.get("channel") or ""), int(c.get("channel_number") or 0)),
-                "ack_required": c.get("ack_required"), "prefetch_count": c.get("prefetch_count"),
-                "exclusive": c.get("exclusive"), "active": True, "activity_status": "up", "arguments": {}}
-               for c in listed]
-        unnamed = max(0, int(p.get("consumers") or 0) - len(out))
+        out = [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": c.consumer_tag,
+                "channel_details": self.channel_details(c.channel, c.channel_number),
+                "ack_required": c.ack_required, "prefetch_count": c.prefetch_count,
+                "exclusive": c.exclusive, "active": True, "activity_status": "up", "arguments": {}}
+               for c in q.consumer_details]
+        unnamed = max(0, q.consumers - len(out))
         return out + [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},
                        "ack_required": None, "prefetch_count": None, "exclusive": None, "active": True,
                        "activity_status": "up", "arguments": {}} for _ in range(unnamed)]
@@ -408,7 +434,7 @@ class Views:
     def consumers(self) -> list[dict]:
         out = []
         for name, d in sorted((self.status.get("queues") or {}).items()):
-            out += self.consumers_of(name, self.processes.get(d.get("proc") or f"queue-{name}") or {})
+            out += self.consumers_of(name, self.live_queue(d.get("proc") or f"queue-{name}"))
         return out
 
     # /api/health/checks/alarms, /api/health/checks/local-alarms
@@ -425,24 +451,20 @@ class Views:
         shown = {}
         for name, _ in self.live("reader"):
             shown[name] = self.connection_name(name)
-        for name, p in self.live("channel"):
-            shown[name] = f"{self.connection_name(self.channel_owner(name, p))} ({int(p.get('number') or 0)})"
+        for name, st in self.live("channel"):
+            shown[name] = f"{self.connection_name(self.channel_owner(name))} ({st.number})"
         for qname, d in (self.status.get("queues") or {}).items():
             shown[d.get("proc") or f"queue-{qname}"] = qname
-        return [{"name": name, "kind": p.get("kind"), "state": p.get("state"), "alive": bool(p.get("alive")),
-                 "object": shown.get(name), **{k: v for k, v in self.process_extra(name, p).items()
-                                                if k not in ("process", "process_state")}}
+        return [{"name": name, "kind": p.get("kind"), "state": p.get("state"),     # the supervisor's state_at
+                 "alive": True, "object": shown.get(name),
+                 **{k: v for k, v in self.process_extra(name).items() if k not in ("process", "process_state")}}
                 for name, p in sorted(self.processes.items()) if p.get("alive")]
 
     def links_view(self) -> list[dict]:
         out = []
-        for name, link in sorted((self.status.get("links") or {}).items()):
+        for name, link in self.links().items():
             sender, _, receiver = name.partition("->")
-            sent = int(link.get("sent") or 0)
-            out.append({"name": name, "sender": sender, "receiver": receiver, "credit": link.get("credit"),
-                        "in_flight": int(link.get("in_flight") or 0),
-                        "max_in_flight": int(link.get("max_in_flight") or 0), "overflow": int(link.get("overflow") or 0),
-                        "records": int(link.get("records") or 0), "sent": sent,
+            out.append({"name": name, "sender": sender, "receiver": receiver, **link.to_dict(),
                         "sent_details": details(self.rate("link", name, "sent"))})
         return out
 

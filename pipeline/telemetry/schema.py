@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -340,6 +341,78 @@ def row_of(msg: dict) -> dict:
     return {k: v for k, v in msg.items() if k != "type" and k not in skip}
 
 
+class SchemaMismatch(ValueError):
+    """Raised when a stats message lacks a field its kind's class requires, or holds one of the wrong shape."""
+
+
+def _scalar(tp):
+    def convert(value):
+        if not isinstance(value, tp) and not (tp is float and isinstance(value, int)):
+            raise SchemaMismatch(f"{value!r} is no {tp.__name__}")
+        return value
+    return convert
+
+
+def _reader(tp) -> typing.Callable:
+    """How a JSON-ready value becomes a value of ``tp`` (the inverse of :func:`_plain`)."""
+    if tp in (str, int, float, bool):
+        return _scalar(tp)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            read = _reader(inner[0])
+            return lambda v: None if v is None else read(v)
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            read = _reader(args[0])
+            return lambda v: tuple(read(x) for x in v)
+        reads = [_reader(a) for a in args]
+        return lambda v: tuple(r(x) for r, x in zip(reads, v, strict=True))
+    if origin is dict:
+        read_key, read_value = _reader(args[0]), _reader(args[1])
+        return lambda v: {read_key(k): read_value(x) for k, x in v.items()}
+    if isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields"):      # a NamedTuple
+        hints = typing.get_type_hints(tp)
+        reads = [_reader(hints[f]) for f in tp._fields]
+        return lambda v: tp(*(r(x) for r, x in zip(reads, v, strict=True)))
+    if dataclasses.is_dataclass(tp):
+        return functools.partial(_build, tp)
+    raise TypeError(f"no reader for {tp}")
+
+
+@functools.cache
+def _readers(cls) -> tuple[tuple[str, bool, typing.Callable], ...]:
+    """(name, has a default, reader) per init field of ``cls``."""
+    hints = type_hints(cls)
+    return tuple((f.name, f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING,
+                  _reader(hints[f.name])) for f in dataclasses.fields(cls) if f.init)
+
+
+def _build(cls, msg: dict):
+    values = {}
+    for name, has_default, read in _readers(cls):
+        if name in msg:
+            try:
+                values[name] = read(msg[name])
+            except (SchemaMismatch, TypeError, ValueError, AttributeError) as exc:
+                raise SchemaMismatch(f"{cls.__name__}.{name}: {exc}") from None
+        elif not has_default:
+            raise SchemaMismatch(f"{cls.__name__} lacks {name}")
+    return cls(**values)
+
+
+def stats_of(msg: dict) -> Snapshot:
+    """A stats message (or the supervisor's copy of one, with its own keys beside) as its kind's class:
+    what reads statistics reads attributes the classes define, never a spelling it guessed. Keys no field
+    names are ignored; a missing field (without default) or a value of the wrong shape raises
+    :class:`SchemaMismatch`, as does a kind without a class."""
+    cls = STATS_TYPES.get(msg.get("kind"))
+    if cls is None:
+        raise SchemaMismatch(f"no statistics class for kind {msg.get('kind')!r}")
+    return _build(cls, msg)
+
+
 def unknown_fields(msg: dict) -> set[str]:
     """Keys of a stats message its kind's class does not define (empty for a kind without one)."""
     cls = STATS_TYPES.get(msg.get("kind"))
@@ -350,5 +423,5 @@ def unknown_fields(msg: dict) -> set[str]:
 
 __all__ = ["CLIENT_CAPABILITIES_MAX", "CLIENT_TEXT_MAX", "CONSUMER_DETAILS_KEPT", "ChannelStats", "ClientProperties",
            "ConsumerDetail", "LinkStats", "NOT_A_COLUMN", "NoticeSent", "OPTIONAL", "QueueStats",
-           "ReaderStats", "STATS_TYPES", "SchemaConflict", "Snapshot", "StageStats", "StoreStats", "WatchdogStats",
-           "is_column", "message_of", "not_columns", "row_of", "stats_columns", "type_hints", "unknown_fields"]
+           "ReaderStats", "STATS_TYPES", "SchemaConflict", "SchemaMismatch", "Snapshot", "StageStats", "StoreStats", "WatchdogStats",
+           "is_column", "message_of", "not_columns", "row_of", "stats_columns", "stats_of", "type_hints", "unknown_fields"]
