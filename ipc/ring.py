@@ -261,6 +261,12 @@ class Ring:
         """Records the consumer has read and released (loaded from the header)."""
         return self._hdr[_R_REC]
 
+    def in_flight(self) -> int:
+        """Records committed and not yet read (``statistics().in_flight`` without building the snapshot)."""
+        hdr = self._hdr
+        read = hdr[_R_REC]
+        return hdr[_W_REC] - read
+
     def free_bytes(self) -> int:
         """Bytes the producer could stage now, before any wrap padding."""
         self._rpos_seen = self._hdr[_R_POS]

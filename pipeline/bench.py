@@ -51,6 +51,7 @@ def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, secon
     from pipeline.supervisor import BrokerConfig
 
     rows = []
+    by_kind: list[dict] = []
     for i in range(runs):
         run_dir = os.path.join(workdir, f"{name.split()[0]}-{len(os.listdir(workdir))}")
         cfg = replace(BrokerConfig(data_dir=run_dir, port=0, watchdog={"memory_limit": "0.6"}), **broker_opts)
@@ -64,13 +65,37 @@ def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, secon
                      "confirm_p50_us": lat.get("confirm", {}).get("p50"), "confirm_p99_us": lat.get("confirm", {}).get("p99"),
                      "lost": summary["lost"],
                      # broker and load generator together (every process is reaped by the end of the run)
-                     "cpu_us_per_msg": 1e6 * cpu_s / summary["delivered"] if summary["delivered"] else None})
+                     "cpu_us_per_msg": 1e6 * cpu_s / summary["delivered"] if summary["delivered"] else None,
+                     "load_us_per_msg": summary["load_cpu"]["us_per_message"]})
+        by_kind.append((summary.get("broker_cpu") or {}).get("us_per_message") or {})
     out = {"scenario": name, "runs": runs, "seconds": seconds}
     for key in rows[0]:
         vals = [r[key] for r in rows if r[key] is not None]
         if vals:
             out[key] = {"median": _median(vals), "min": min(vals), "max": max(vals)}
+    out["cpu_us_per_msg_by_kind"] = {kind: _median([k[kind] for k in by_kind if kind in k])
+                                     for kind in sorted({kind for k in by_kind for kind in k})}
     return out
+
+
+CPU_KINDS_SHOWN = ("reader", "channel", "queue", "store", "supervisor", "watchdog")
+
+
+def cpu_line(r: dict) -> str:
+    """Where one scenario's CPU went, per message delivered (medians over its runs): each kind of broker
+    process over the load's steady window, and the load generator over the whole run."""
+    kinds = r.get("cpu_us_per_msg_by_kind") or {}
+    if not kinds:
+        return "CPU per message: not measured"
+    shown = [(k, kinds[k]) for k in CPU_KINDS_SHOWN if k in kinds]
+    other = sum(v for k, v in kinds.items() if k not in CPU_KINDS_SHOWN)
+    if other:
+        shown.append(("other", other))
+    load = (r.get("load_us_per_msg") or {}).get("median")
+    if load is not None:
+        shown.append(("load", load))
+    return ("CPU µs/msg: " + ", ".join(f"{k} {v:.1f}" for k, v in shown)
+            + f" = {sum(v for _, v in shown):.1f}")
 
 
 def measure_tracing_overhead(runs: int, seconds: int, workdir: str) -> dict:
@@ -253,6 +278,7 @@ def run_bench(args) -> int:
                   + (f", confirm p50/p99 {_fmt(r.get('confirm_p50_us'), ' ms', 1000)}/"
                      f"{_fmt(r.get('confirm_p99_us'), ' ms', 1000)}" if r.get("confirm_p50_us") else ""),
                   flush=True)
+            print(f"{'':<40} {cpu_line(r)}", flush=True)
     by_name = {r["scenario"]: r for r in results["scenarios"]}
     on, off = by_name.get(SCENARIOS[0][0]), by_name.get(SCENARIOS[-1][0])
     if on and off:

@@ -174,6 +174,10 @@ class Queue(Stage):
             self.routing.apply(msg["changes"])
         elif kind == "delete":
             self.delete(msg)
+        elif kind == "purge":           # ctl purge_queue, or the management API's DELETE .../contents
+            count, actions = self.core.purge(time.monotonic_ns())
+            self.do(actions)
+            control.send_msg(self.ctl, {"type": "purge_answer", "req": msg.get("req"), "message_count": count})
         elif kind in ("queue_linked", "no_queue", "declare_refused"):
             self.on_dl_link(msg)
         self.dirty = True
@@ -241,7 +245,8 @@ class Queue(Stage):
         keep = persistent and self.journal is not None
         if keep:
             self.keep(msg, self.core.next_id, link.peer, seq, record, flags)
-        self.do(self.core.publish(msg, time.monotonic_ns(), safe=not keep, room=self.room()))
+        core = self.core
+        self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=self.room() if core.wants_room() else None))
 
     def keep(self, msg: Message, msg_id: int, channel: str, seq: int, record, flags: int) -> None:
         """Journal a persistent message (its body to the store when big); its confirm waits for both."""
@@ -491,7 +496,7 @@ class Queue(Stage):
         queue that delivered only once a turn would take publishes far faster than it hands them on
         (RabbitMQ's queue process delivers as it takes each publish). Only with a consumer that has
         room; the deliveries go out at the end of the turn with the rest."""
-        if self.reader_links and self.core.statistics().messages_ready:
+        if self.reader_links and self.core.ready:
             self.do(self.core.deliver(now_ns, self.room()))
 
     def after_io(self, now_ns: int) -> None:
@@ -530,11 +535,12 @@ class Queue(Stage):
             if link.overflow:
                 room[link.link_id] = 0
                 continue
-            stats = link.ring.statistics()
-            by_space = link.ring.free_bytes() // size
-            if not stats.in_flight:
+            ring = link.ring
+            in_flight = ring.in_flight()
+            by_space = ring.free_bytes() // size
+            if not in_flight:
                 by_space = max(1, by_space)        # into an empty ring even a message bigger than it goes
-            room[link.link_id] = max(0, min(DELIVERY_WINDOW - stats.in_flight, by_space))
+            room[link.link_id] = max(0, min(DELIVERY_WINDOW - in_flight, by_space))
             if room[link.link_id] == 0:
                 link.ring.writer_waiting = True     # its reader answers with a SPACE token once it reads
         return room

@@ -460,9 +460,9 @@ class Reader(Stage):
             slot.unacked[tag] = (link.link_id, msg_id)
             if slot.limit is not None:
                 slot.limit.used(link.link_id)
-        exchange, rk, props, body = wire.content_views(record, off)
-        self.conn.send_raw(frames.encode_deliver(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
-                                                 exchange, rk, props, body, self.conn.frame_max))
+        names, props, body = wire.content_named_views(record, off)
+        self.conn.send_frames(*frames.encode_deliver_names(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
+                                                           names, props, body, self.conn.frame_max))
         self.deliveries += 1
 
     def on_get_ok(self, link, record) -> None:
@@ -535,6 +535,10 @@ class Reader(Stage):
             self.log(f"closing AMQP connection: 541 {msg['text']}")
             if self.conn.state not in ("closing", "closed"):
                 self.conn.close(541, msg["text"])
+            self.finish()
+        elif kind == "force_close":     # ctl close_connection, or the management API's DELETE
+            if self.conn.state not in ("closing", "closed"):
+                self.conn.close(320, msg["text"])
             self.finish()
 
     def on_peer_down(self, link_id: int, reason: str) -> None:

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import replace
 
+from pipeline.broker_cpu import CpuWindow
 from pipeline.ctlclient import BrokerNotRunning, CtlClient, wait_for_broker
 from pipeline.loadgen.accounting import BrokerView, QueueDepth
 from pipeline.loadgen.config import InvalidLoadConfig, LoadConfig
@@ -420,10 +421,12 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
             json.dump(config, f, indent=2, default=str)
         tail = LogTail(os.path.join(run_dir, "broker.log"))
         seconds = SecondsLog(run_dir)
+        cpu = CpuWindow()
         with CtlClient(run_dir) as ctl:
             def each_second(rep):
                 status = ctl.request("status")
                 seconds.write(rep, status)
+                cpu.observe(status, rep.delivered)
                 for line in tail.new_lines():
                     if on_log is not None:
                         on_log(line)
@@ -449,6 +452,7 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
     finally:
         code = stop_broker(pid, run_dir)
     summary = summarize(result, final, config, time.monotonic() - started, search, steps)
+    summary["broker_cpu"] = cpu.summary()
     summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2, default=str)

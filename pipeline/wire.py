@@ -124,6 +124,15 @@ def content_views(rec, offset: int) -> tuple[bytes, bytes, memoryview, memoryvie
     return exchange, routing_key, mv[o:o + plen], mv[o + plen:]
 
 
+def content_named_views(rec, offset: int) -> tuple[memoryview, memoryview, memoryview]:
+    """(exchange and routing key as their two shortstrs, props, body) of a record's content, all views."""
+    mv = memoryview(rec)
+    o = offset + 1 + rec[offset]
+    o += 1 + rec[o]
+    (plen,) = _U32.unpack_from(rec, o)
+    return mv[offset:o], mv[o + 4:o + 4 + plen], mv[o + 4 + plen:]
+
+
 def content_route(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, bytes]:
     """(exchange, routing_key) of a record's content, without copying the body."""
     exlen = rec[offset]

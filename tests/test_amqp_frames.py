@@ -81,6 +81,13 @@ def test_deliver_and_content_are_byte_identical_to_pamqp(props, body):
         ref = frame.marshal(commands.Basic.Deliver(consumer_tag="amq.ctag-Ü", delivery_tag=2 ** 62 + 7,
                                                    redelivered=redelivered, exchange="", routing_key="q"), 2)
         assert fast == ref + pamqp_content(2, props, body, FRAME_MAX)
+        names = b"".join(bytes((len(n),)) + n for n in ("amq.direct".encode(), "clé.☃".encode()))
+        for frame_max in (FRAME_MAX, 4096, 0):          # from a record's names, the frame count with it
+            fast, count = frames.encode_deliver_names(2, "amq.ctag-Ü".encode(), 9, redelivered, memoryview(names),
+                                                      memoryview(raw), memoryview(body), frame_max)
+            assert fast == frames.encode_deliver(2, "amq.ctag-Ü", 9, redelivered, "amq.direct", "clé.☃", raw,
+                                                 body, frame_max)
+            assert count == frames.count_frames(fast)
     assert frames.encode_content(9, raw, body, FRAME_MAX) == pamqp_content(9, props, body, FRAME_MAX)
 
 

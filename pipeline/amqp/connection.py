@@ -908,6 +908,12 @@ class ServerConnection:
             self._out.append(data)
             self.frames_out += frames.count_frames(data)
 
+    def send_frames(self, data: bytes, frames_in_it: int) -> None:
+        """``send_raw`` for frames whose count the caller knows (a delivery it just encoded)."""
+        if self.state == "open" or self.state == "client_closing":
+            self._out.append(data)
+            self.frames_out += frames_in_it
+
     def send_deliver(self, channel: int, consumer_tag: str, delivery_tag: int, redelivered: bool, exchange: str,
                      routing_key: str, props_raw: bytes, body: bytes) -> None:
         """One basic.deliver with its content, split to the negotiated frame_max."""

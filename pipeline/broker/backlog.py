@@ -902,6 +902,16 @@ class Backlog:
             for msg, _ in ch.held.values():
                 yield msg
 
+    @property
+    def ready(self) -> int:
+        """Messages ready (``statistics().messages_ready``, for a shell that asks per batch)."""
+        return self._ready
+
+    def wants_room(self) -> bool:
+        """Whether ``publish`` would look at ``room``: only a message that may go straight to a consumer
+        (nothing ready ahead of it, someone consuming). A shell that finds room costly asks first."""
+        return not self._ready and bool(self._consumers)
+
     def statistics(self) -> BacklogStatistics:
         return BacklogStatistics(
             queue=self.name, messages_ready=self._ready, messages_unacknowledged=self._unacked,
