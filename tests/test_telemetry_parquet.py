@@ -135,9 +135,11 @@ def test_compact_converts_each_file_skips_a_torn_line_and_deletes_the_jsonl(tmp_
     assert rows[2]["segments"]["files"] == 1 and rows[2]["segments"]["syncs"] is None
     assert rows[3]["memory_used"] == 3 << 30 and rows[3]["disk_free"] == 9 << 40
 
-    events = pq.read_table(tele / "events.parquet").to_pylist()
-    assert events[1]["data"] == {f.name: None for f in tp.EVENT_DATA_TYPE}   # "peer" is not in the struct
-    assert json.loads(events[1]["extra"])["data"]["peer"]                   # but is kept
+    events = pq.read_table(tele / "events.parquet")
+    assert events.schema.equals(tp.EVENTS_SCHEMA) and "extra" not in events.column_names
+    assert results["events"]["dropped_fields"] == []
+    events = events.to_pylist()
+    assert events[1]["data"] == {f.name: "127.0.0.1:5555" if f.name == "peer" else None for f in tp.EVENT_DATA_TYPE}
     assert events[3]["data"]["used"] == 5 << 30 and events[3]["data"]["source"] == "memory"
     assert pq.read_table(tele / "states.parquet").to_pylist() == states_rows()
 

@@ -6,7 +6,7 @@ A run directory (``creditflow run`` / ``creditflow demo``) holds::
     seconds.jsonl             one load-generator report a second (time_s, rates, latency)
     telemetry/stats.parquet   every statistics() snapshot a stage pushed
     telemetry/states.parquet  each process's state, a row per change
-    telemetry/events.parquet  spawn, connection, alarm_set/alarm_clear, stage_died, fsync
+    telemetry/events.parquet  spawn, connection, alarm_set/alarm_clear, stage_died, fsync, ...
 
 All timestamps are int64 nanoseconds of the machine-wide monotonic clock, so
 the broker's files and the load generator's ``seconds.jsonl`` share one axis.
@@ -15,18 +15,22 @@ The broker writes its telemetry as ``NAME.jsonl`` while it runs and compacts
 each into ``NAME.parquet`` when it stops (:mod:`pipeline.telemetry.parquet`).
 The Spark schemas here are derived from its Arrow schemas, which are derived
 from the statistics classes of :mod:`pipeline.telemetry.schema`: every field a
-stage reports is a column, under the name ``ctl status`` shows. A broker that
-was SIGKILLed never compacted, so ``NAME.jsonl`` is read too: the table is the
-Parquet file's rows followed by the JSONL's (both exist only when a later
-broker on the same data directory was killed), and an empty DataFrame of the
-schema when neither file exists. Either way the DataFrame has exactly the
-schema's columns, and a JSONL line that is no JSON object (a torn last line)
-is dropped, as compaction drops it. A NamedTuple field (a reader's
-``notices``) is a JSON array in the JSONL and a struct in the DataFrame.
+stage reports is a column, under the name ``ctl status`` shows, and an
+event's ``data`` is a struct of the fields of ``EventData``
+(:mod:`pipeline.telemetry.events`). A broker that was SIGKILLed never
+compacted, so ``NAME.jsonl`` is read too: the table is the Parquet file's rows
+followed by the JSONL's (both exist only when a later broker on the same data
+directory was killed), and an empty DataFrame of the schema when neither file
+exists. Either way the DataFrame has exactly the schema's columns, and a
+JSONL line that is no JSON object (a torn last line) is dropped, as
+compaction drops it. A NamedTuple field (a reader's ``notices``) is a JSON
+array in the JSONL and a struct in the DataFrame.
 
-Runs recorded before the schema was derived kept only the report's columns
+Runs recorded before the schemas were derived kept only the report's columns
 and put every other statistic, as JSON text, in an ``extra`` column of
-``stats.parquet``. They are still read: the columns such a file lacks are
+``stats.parquet``; ``events.parquet`` kept there the keys of ``data`` beyond
+its first nine fields, as ``{"data": {...}}``. They are still read: the
+columns such a file lacks, and the struct fields it has no value in, are
 taken from its ``extra`` (:func:`_read_parquet`), so an old run's report is
 what it was, and its other statistics are columns as in a new run.
 
@@ -53,18 +57,12 @@ from pyspark.sql.types import ArrayType, DoubleType, LongType, StringType, Struc
 
 from pipeline.telemetry import parquet as tables
 
-# The telemetry tables are defined once, by the statistics classes; their Arrow schemas are derived from them.
+# The telemetry tables are defined once, by the statistics and event data classes; the Arrow schemas are derived
+# from them, and these from the Arrow schemas.
 LINK_SCHEMA: StructType = from_arrow_type(tables.LINK_TYPE)
-
-
-def _report_columns(schema):
-    """The table's columns the report reads: all but ``extra`` (an event's JSON line keeps it inline)."""
-    return schema.remove(schema.get_field_index(tables.EXTRA)) if tables.EXTRA in schema.names else schema
-
-
-STATS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATS_SCHEMA))
-STATES_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.STATES_SCHEMA))
-EVENTS_SCHEMA: StructType = from_arrow_schema(_report_columns(tables.EVENTS_SCHEMA))
+STATS_SCHEMA: StructType = from_arrow_schema(tables.STATS_SCHEMA)
+STATES_SCHEMA: StructType = from_arrow_schema(tables.STATES_SCHEMA)
+EVENTS_SCHEMA: StructType = from_arrow_schema(tables.EVENTS_SCHEMA)
 TELEMETRY_SCHEMAS = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
 # Columns whose structs (NamedTuples) travel in JSON as arrays: read as arrays of text, then made structs.
 ARRAY_STRUCTS = {name: frozenset(fns) for name, fns in tables.SHAPERS.items()}
@@ -137,19 +135,25 @@ def _read_jsonl(spark: SparkSession, path: str, schema: StructType,
     return _select(df.where(~(F.col(_CORRUPT).isNotNull() & nothing_parsed)), schema, arrays)
 
 
-def _read_parquet(spark: SparkSession, path: str, schema: StructType, arrays: frozenset[str],
-                  from_extra: bool) -> DataFrame:
-    """A Parquet table of ``schema``. With ``from_extra`` (stats), a file of before the derived schema
-    has an ``extra`` column of JSON text: the columns the file lacks are taken from there."""
-    in_file = set(pq.read_schema(path).names) if from_extra else set()
-    missing = StructType([f for f in schema.fields if f.name not in in_file])
-    if tables.EXTRA not in in_file or not missing.fields:
+def _read_parquet(spark: SparkSession, path: str, schema: StructType, arrays: frozenset[str]) -> DataFrame:
+    """A Parquet table of ``schema``. A file of before the derived schemas has an ``extra`` column of JSON
+    text: the columns the file lacks are taken from there, and a struct column's fields (an event's
+    ``data``) from the object of its name there, where the file has no value."""
+    in_file = set(pq.read_schema(path).names)
+    if tables.EXTRA not in in_file:
         return spark.read.schema(schema).parquet(_url(path)).select(*schema.fieldNames())
+    structs = {f.name for f in schema.fields if f.name in in_file and isinstance(f.dataType, StructType)}
+    from_extra = StructType([f for f in schema.fields if f.name not in in_file or f.name in structs])
     df = spark.read.schema(StructType(schema.fields + [StructField(tables.EXTRA, StringType())])).parquet(_url(path))
-    parsed = F.from_json(F.col(tables.EXTRA), _as_text_arrays(missing, arrays))
+    parsed = F.from_json(F.col(tables.EXTRA), _as_text_arrays(from_extra, arrays))
     columns = []
     for f in schema.fields:
-        if f.name in in_file:
+        if f.name in structs:
+            filled = F.struct(*[F.coalesce(F.col(f.name).getField(sub.name), parsed.getField(f.name).getField(sub.name))
+                                .alias(sub.name) for sub in f.dataType.fields])
+            columns.append(F.when(F.col(f.name).isNull() & parsed.getField(f.name).isNull(), F.lit(None))
+                           .otherwise(filled).cast(f.dataType).alias(f.name))
+        elif f.name in in_file:
             columns.append(F.col(f.name))
         elif f.name in arrays:
             columns.append(_structs_of_arrays(parsed.getField(f.name), f.dataType).alias(f.name))
@@ -165,7 +169,7 @@ def _read_telemetry(spark: SparkSession, telemetry_dir: str, name: str) -> DataF
     parts = []
     parquet = os.path.join(telemetry_dir, f"{name}.parquet")
     if os.path.isfile(parquet):
-        parts.append(_read_parquet(spark, parquet, schema, arrays, from_extra=name == "stats"))
+        parts.append(_read_parquet(spark, parquet, schema, arrays))
     jsonl = os.path.join(telemetry_dir, f"{name}.jsonl")
     if os.path.exists(jsonl) and os.path.getsize(jsonl) > 0:
         parts.append(_read_jsonl(spark, jsonl, schema, arrays))

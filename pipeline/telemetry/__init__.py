@@ -2,8 +2,9 @@
 
 * :mod:`.schema`   the statistics of every stage as frozen dataclasses: THE schema
                    (stdlib only; every broker process imports it);
+* :mod:`.events`   the data of the supervisor's events as a frozen dataclass (stdlib only);
 * :mod:`.recorder` the supervisor's ``Recorder``: JSON lines while the broker runs;
-* :mod:`.parquet`  the Arrow schemas derived from ``schema`` and the JSONL -> Parquet
+* :mod:`.parquet`  the Arrow schemas derived from ``schema`` and ``events``, and the JSONL -> Parquet
                    compaction (imports pyarrow: only after the stages stopped, or outside the broker).
 """
 

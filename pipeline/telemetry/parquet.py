@@ -18,13 +18,16 @@ reads as before. If ``NAME.parquet`` already exists (the data dir of an
 earlier broker), its rows are copied first, so the new file appends to it as
 the JSONL would have.
 
-The stats table's schema is derived, never written out: its columns are the
-fields of the statistics classes of :mod:`pipeline.telemetry.schema`
+The schemas are derived, never written out: the stats table's columns are
+the fields of the statistics classes of :mod:`pipeline.telemetry.schema`, and
+the events table's ``data`` struct is :class:`~pipeline.telemetry.events.EventData`
 (:func:`arrow_type`: int -> int64, float -> float64, bool, str -> string,
 ``X | None`` -> nullable X, tuples and lists -> list, ``dict[str, X]`` -> map,
 a dataclass or NamedTuple -> struct). Every statistic a stage sends is a
-column; a field no class defines is dropped and named in the result
-(``dropped_fields``), which the tests keep empty for every stage.
+column and every key of an event's data a field of ``data``; a field no class
+defines is dropped and named in the result (``dropped_fields``; a key of a
+struct column's object as ``column.key``), which the tests keep empty for
+every stage and every event.
 
 Conversion rules, the same as the Spark JSON reader's with an explicit schema:
 
@@ -32,17 +35,17 @@ Conversion rules, the same as the Spark JSON reader's with an explicit schema:
   glued to one) is skipped and counted (``skipped_lines``);
 * a NamedTuple (a reader's ``notices``) arrives as a JSON array and becomes a
   struct; missing fields are null;
-* events keep an ``extra`` column: the keys of ``data`` its struct does not
-  name, as JSON text (events are the supervisor's, not statistics);
 * a value of the wrong type (a string where int64 is due) becomes null and is
   counted (``nulled_values``). Only a chunk that fails conversion as a whole
   is converted row by row, so clean telemetry pays nothing for this.
 
-Stats files written before the schema was derived (the columns the report
-read, everything else as JSON text in an ``extra`` column) are converted
-when a later broker appends to them: ``extra``'s fields fill the
-columns that now hold them (:func:`conform`). The report reads such files
-the same way (``pipeline.analytics.load``).
+Files written before the schemas were derived kept what their schema did not
+name as JSON text in an ``extra`` column: a stats file the statistics beyond
+the report's columns, an events file the keys of ``data`` beyond its first
+nine fields (as ``{"data": {...}}``). They are converted when a later broker
+appends to them: ``extra``'s fields fill the columns, and the struct fields,
+that now hold them (:func:`conform`). The report reads such files the same
+way (``pipeline.analytics.load``).
 
 All timestamps and durations (``*_ns``) are int64 nanoseconds of the
 machine-wide monotonic clock, as in the JSON lines.
@@ -71,10 +74,11 @@ import pyarrow.parquet as pq
 
 from pipeline.storage.segments import fsync_directory
 from pipeline.telemetry import schema as stats_schema
+from pipeline.telemetry.events import EventData
 from pipeline.telemetry.schema import LinkStats
 
 CHUNK_LINES = 20_000
-EXTRA = "extra"      # events: the keys of data its struct does not name, as JSON text; old stats files: all others
+EXTRA = "extra"      # files of before the derived schemas: what their columns did not hold, as JSON text
 COMPRESSION = "zstd"
 TMP_PREFIX = "."
 TMP_SUFFIX = ".tmp"
@@ -154,24 +158,13 @@ STATES_SCHEMA = pa.schema([
     ("state", pa.string()),
 ])
 
-EVENT_DATA_TYPE = pa.struct([
-    ("duration_ns", pa.int64()),
-    ("source", pa.string()),
-    ("state", pa.string()),
-    ("used", pa.int64()),
-    ("free", pa.int64()),
-    ("limit", pa.int64()),
-    ("at_ns", pa.int64()),
-    ("kind", pa.string()),
-    ("pid", pa.int64()),
-])
+EVENT_DATA_TYPE = arrow_type(EventData)
 
 EVENTS_SCHEMA = pa.schema([
     ("at_ns", pa.int64()),
     ("event", pa.string()),
     ("name", pa.string()),
     ("data", EVENT_DATA_TYPE),
-    (EXTRA, pa.string()),
 ])
 
 TABLES: dict[str, pa.Schema] = {"stats": STATS_SCHEMA, "states": STATES_SCHEMA, "events": EVENTS_SCHEMA}
@@ -209,28 +202,6 @@ def parse_lines(lines: list[bytes]) -> tuple[list[dict], int]:
     return rows, skipped
 
 
-def with_extra(rows: list[dict], schema: pa.Schema) -> list[dict]:
-    """``rows`` with what ``schema`` does not name folded into its ``extra`` column (if it has one)."""
-    if EXTRA not in schema.names:
-        return rows
-    names = set(schema.names)
-    structs = {f.name: {sub.name for sub in f.type} for f in schema if pa.types.is_struct(f.type)}
-    out = []
-    for row in rows:
-        rest = {k: v for k, v in row.items() if k not in names and k != "type"}
-        for name, known in structs.items():
-            value = row.get(name)
-            if isinstance(value, dict):
-                more = {k: v for k, v in value.items() if k not in known}
-                if more:
-                    rest[name] = more
-        if rest:
-            row = dict(row)
-            row[EXTRA] = json.dumps(rest, separators=(",", ":"), sort_keys=True, default=str)
-        out.append(row)
-    return out
-
-
 def shape(rows: list[dict], fns: dict[str, Callable]) -> list[dict]:
     """``rows`` with each value ``fns`` names made into what Arrow takes (a NamedTuple's array as a dict)."""
     if not fns:
@@ -247,11 +218,18 @@ def shape(rows: list[dict], fns: dict[str, Callable]) -> list[dict]:
 
 
 def unnamed_fields(rows: list[dict], schema: pa.Schema) -> set[str]:
-    """Keys of ``rows`` that ``schema`` has no column for (and no ``extra`` column keeps)."""
-    if EXTRA in schema.names:
-        return set()
-    names = set(schema.names)
-    return {k for row in rows for k in row if k not in names and k != "type"}
+    """Keys of ``rows`` that ``schema`` has no column for, and keys of a struct column's object that its
+    struct has no field for (as ``column.key``); a stats message's ``type`` is no field."""
+    names = set(schema.names) | {"type"}
+    structs = {f.name: {sub.name for sub in f.type} for f in schema if pa.types.is_struct(f.type)}
+    unnamed: set[str] = set()
+    for row in rows:
+        unnamed |= row.keys() - names
+        for column, known in structs.items():
+            value = row.get(column)
+            if isinstance(value, dict):
+                unnamed |= {f"{column}.{k}" for k in value.keys() - known}
+    return unnamed
 
 
 def to_table(rows: list[dict], schema: pa.Schema) -> tuple[pa.Table, int]:
@@ -285,8 +263,9 @@ def to_table(rows: list[dict], schema: pa.Schema) -> tuple[pa.Table, int]:
 def conform(table: pa.Table, schema: pa.Schema, fns: dict[str, Callable] | None = None) -> pa.Table:
     """``table`` with exactly ``schema``'s columns: missing ones null, others cast (for files of older schemas).
 
-    A stats file of before the derived schema has an ``extra`` column of JSON text: the fields it holds
-    fill the columns that now hold them (a value of the wrong type becomes null)."""
+    A file of before the derived schemas has an ``extra`` column of JSON text: the fields it holds fill
+    the columns, and the fields of struct columns (an event's ``{"data": {...}}``), that now hold them
+    (a value of the wrong type becomes null)."""
     if EXTRA in table.column_names and EXTRA not in schema.names:
         rows = []
         for row in table.to_pylist():
@@ -296,18 +275,37 @@ def conform(table: pa.Table, schema: pa.Schema, fns: dict[str, Callable] | None 
             except ValueError:
                 more = {}
             if isinstance(more, dict):
-                for k, v in more.items():
-                    if row.get(k) is None:
-                        row[k] = v
+                _fill(row, more)
             rows.append(row)
         return to_table(shape(rows, fns or {}), schema)[0]
     columns = []
     for field in schema:
         if field.name in table.column_names:
-            columns.append(table.column(field.name).cast(field.type))
+            column = table.column(field.name)
+            columns.append(pa.chunked_array([_cast(chunk, field.type) for chunk in column.chunks], field.type))
         else:
             columns.append(pa.nulls(table.num_rows, type=field.type))
     return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _cast(array: pa.Array, to: pa.DataType) -> pa.Array:
+    """``array`` as type ``to``; a struct field by field, by name, a field it lacks null (an older file's
+    struct has fewer fields, and pyarrow before 19 casts only a struct of the same fields)."""
+    if array.type == to or not (pa.types.is_struct(to) and pa.types.is_struct(array.type)):
+        return array.cast(to)
+    have = dict(zip((f.name for f in array.type), array.flatten()))
+    children = [_cast(have[f.name], f.type) if f.name in have else pa.nulls(len(array), f.type) for f in to]
+    return pa.StructArray.from_arrays(children, fields=list(to), mask=array.is_null())
+
+
+def _fill(row: dict, more: dict) -> None:
+    """Set each of ``row``'s fields that is None to ``more``'s value; an object fills an object field by field."""
+    for k, v in more.items():
+        have = row.get(k)
+        if have is None:
+            row[k] = v
+        elif isinstance(have, dict) and isinstance(v, dict):
+            _fill(have, v)
 
 
 def shapers_for(schema: pa.Schema) -> dict[str, Callable]:
@@ -331,8 +329,9 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
     """Convert one JSONL file into ``parquet_path`` (appending to an existing one), then delete the JSONL.
 
     Returns ``rows`` (in the Parquet file), ``jsonl_rows``, ``skipped_lines``, ``nulled_values``,
-    ``dropped_fields`` (names no column holds), ``jsonl_bytes`` and ``parquet_bytes``. Raises (and leaves the JSONL and any old Parquet file
-    untouched) if anything fails before the new Parquet file is in place.
+    ``dropped_fields`` (names no column or struct field holds: :func:`unnamed_fields`), ``jsonl_bytes`` and
+    ``parquet_bytes``. Raises (and leaves the JSONL and any old Parquet file untouched) if anything fails
+    before the new Parquet file is in place.
     """
     directory, base = os.path.split(parquet_path)
     tmp_path = os.path.join(directory, TMP_PREFIX + base + TMP_SUFFIX)
@@ -355,7 +354,7 @@ def compact_file(jsonl_path: str, parquet_path: str, schema: pa.Schema,
                         if not parsed:
                             continue
                         dropped |= unnamed_fields(parsed, schema)
-                        table, n_null = to_table(shape(with_extra(parsed, schema), fns), schema)
+                        table, n_null = to_table(shape(parsed, fns), schema)
                         nulled += n_null
                         writer.write_table(table)
                         jsonl_rows += table.num_rows
@@ -404,5 +403,4 @@ def compact(telemetry_dir: str, chunk_lines: int = CHUNK_LINES) -> dict[str, dic
 
 __all__ = ["CHUNK_LINES", "COMPRESSION", "EXTRA", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE",
            "LINK_TYPE", "SHAPERS", "STATES_SCHEMA", "STATS_SCHEMA", "TABLES", "arrow_type", "compact",
-           "compact_file", "conform", "parse_lines", "shape", "shapers", "to_table", "unnamed_fields",
-           "with_extra"]
+           "compact_file", "conform", "parse_lines", "shape", "shapers", "to_table", "unnamed_fields"]

@@ -19,7 +19,9 @@ monotonic clock):
 once a second so tracing stays off the hot path.
 
 A snapshot's row is its message as :mod:`pipeline.telemetry.schema` defines
-it (``row_of``: without ``type`` and the fields that are no column).
+it (``row_of``: without ``type`` and the fields that are no column); an
+event's ``data`` holds fields of :mod:`pipeline.telemetry.events`' ``EventData``
+(``data_row``: without an alarm message's ``type``).
 
 When the broker stops, :meth:`Recorder.close` compacts each ``NAME.jsonl``
 into ``NAME.parquet`` (:mod:`pipeline.telemetry.parquet`: int64-ns columns,
@@ -36,6 +38,7 @@ import json
 import os
 import time
 
+from pipeline.telemetry.events import data_row
 from pipeline.telemetry.schema import row_of
 
 FLUSH_INTERVAL_S = 1.0
@@ -84,7 +87,7 @@ class Recorder:
 
     def event(self, kind: str, name: str, data: dict, at_ns: int | None = None) -> None:
         self._put("events", {"at_ns": at_ns or time.monotonic_ns(), "event": kind, "name": name,
-                             "data": data})
+                             "data": data_row(data)})
 
     def log(self, level: str, line: str) -> None:
         if self.logfile.closed:
@@ -128,6 +131,6 @@ class Recorder:
             self.log("info", "telemetry compacted to Parquet: " + ", ".join(
                 f"{name} {r['rows']} rows, {r['jsonl_bytes']} -> {r['parquet_bytes']} B in {r['seconds']:.2f} s"
                 + (f", {r['skipped_lines']} unreadable lines skipped" if r["skipped_lines"] else "")
-                + (f", fields no statistics class defines dropped: {', '.join(r['dropped_fields'])}"
+                + (f", fields no schema class defines dropped: {', '.join(r['dropped_fields'])}"
                    if r.get("dropped_fields") else "")
                 for name, r in results.items()))
