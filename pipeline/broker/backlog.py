@@ -168,7 +168,10 @@ class Message:
 
 
 # -- actions: what the shell must do, in order ---------------------------------------------------
-@dataclass(frozen=True, slots=True)
+# The per-message actions (Deliver, Confirm, Forget, and their kin GetOk, Nack) are not frozen: one is
+# built for every message, and a frozen dataclass costs three times as much to build (0.50 against
+# 0.15 µs). Nothing changes an action once made.
+@dataclass(slots=True)
 class Deliver:
     """Send ``message`` to ``consumer`` (the key given to ``consume``); ``no_ack``: it ends here."""
     consumer: Hashable
@@ -177,7 +180,7 @@ class Deliver:
     no_ack: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class GetOk:
     """Answer ``basic.get`` on ``channel`` with ``message``; ``remaining`` ready messages are left."""
     channel: Hashable
@@ -193,21 +196,21 @@ class GetEmpty:
     channel: Hashable
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Confirm:
     """Confirm publish ``seq`` to ``publisher`` (``basic.ack``)."""
     publisher: Hashable
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Nack:
     """Refuse publish ``seq`` to ``publisher`` (``basic.nack``): the queue would not take it."""
     publisher: Hashable
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Forget:
     """``message`` is gone (``outcome`` says how): drop what the shell keeps for it."""
     message: Message
