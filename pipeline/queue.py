@@ -112,6 +112,7 @@ class Queue(Stage):
         self.confirms: dict[str, list[int]] = {}             # channel process -> seqs to confirm
         self.nacks: dict[str, list[int]] = {}
         self.record_bytes = 256                              # recent delivery record size, for ring room
+        self.batch_room: dict | None = None                  # room() as this batch of records found it
         self.peak_messages = 0
         self.drain_trim_owed = False     # a backlog worth a trim was here: trim once it is gone
         self.paging = False
@@ -246,7 +247,12 @@ class Queue(Stage):
         if keep:
             self.keep(msg, self.core.next_id, link.peer, seq, record, flags)
         core = self.core
-        self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=self.room() if core.wants_room() else None))
+        room = None
+        if core.wants_room():               # the consumers' room, read once a batch: deliveries only use it up
+            room = self.batch_room
+            if room is None:
+                room = self.batch_room = self.room()
+        self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=room))
 
     def keep(self, msg: Message, msg_id: int, channel: str, seq: int, record, flags: int) -> None:
         """Journal a persistent message (its body to the store when big); its confirm waits for both."""
@@ -496,10 +502,12 @@ class Queue(Stage):
         queue that delivered only once a turn would take publishes far faster than it hands them on
         (RabbitMQ's queue process delivers as it takes each publish). Only with a consumer that has
         room; the deliveries go out at the end of the turn with the rest."""
+        self.batch_room = None
         if self.reader_links and self.core.ready:
             self.do(self.core.deliver(now_ns, self.room()))
 
     def after_io(self, now_ns: int) -> None:
+        self.batch_room = None
         core = self.core
         deadline = core.next_deadline_ns()
         if deadline is not None and now_ns >= deadline:
@@ -650,6 +658,7 @@ class Queue(Stage):
 
     # -- operations from channels -----------------------------------------------------------
     def on_op(self, link, op: dict) -> None:
+        self.batch_room = None              # a consumer may come or go
         kind = op.get("op")
         channel = link.peer
         out = self.peer_out.get(channel)
