@@ -402,12 +402,18 @@ def build_parser() -> Parser:
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
     ctl.add_argument("-q", "--quiet", action="store_true", help="list-*: no 'Listing ...' line (rabbitmqctl's -q)")
+    ctl.add_argument("-e", "--if-empty", action="store_true", help="delete-queue: only if it has no ready message")
+    ctl.add_argument("-u", "--if-unused", action="store_true", help="delete-queue: only if it has no consumer")
     ctl.add_argument("action", type=lambda s: s.replace("_", "-"),     # rabbitmqctl's set_vhost_limits works too
                      choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "set-vhost-limits",
-                              "list-vhost-limits", "clear-vhost-limits", "kill", "stop", *LIST_ACTIONS),
+                              "list-vhost-limits", "clear-vhost-limits", "close-connection", "delete-queue",
+                              "purge-queue", "kill", "stop", *LIST_ACTIONS),
                      help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone); "
                           "set-vhost-limits JSON: '{\"max-connections\": 100, \"max-queues\": 50}' "
-                          "(negative: no limit); list-queues|list-connections|list-channels [COLUMN ...]: "
+                          "(negative: no limit); close-connection NAME [REASON]: the client gets 320 "
+                          "CONNECTION_FORCED - REASON (NAME as list-connections name shows it, or reader-N); "
+                          "delete-queue NAME [-e] [-u], purge-queue NAME; "
+                          "list-queues|list-connections|list-channels [COLUMN ...]: "
                           "rabbitmqctl's columns (list-queues name state messages), tab-separated with a header")
     ctl.add_argument("value", nargs="*", help="the action's value, or list-* columns")
     add_stress_parser(sub)
@@ -455,22 +461,32 @@ def check_tls(args) -> None:
 
 
 LIST_ACTIONS = ("list-queues", "list-connections", "list-channels")
+CTL_CLOSE_REASON = "Closed via creditflow ctl"      # close-connection's text when none is given
 
 
 def cmd_ctl(args) -> int:
     from pipeline.ctlclient import BrokerNotRunning, CtlClient
     if args.action in LIST_ACTIONS:
         return cmd_ctl_list(args)
-    if len(args.value) > 1:
-        raise UsageError(f"creditflow ctl: {args.action} takes at most one value, got {len(args.value)}")
+    most = 2 if args.action == "close-connection" else 1
+    if len(args.value) > most:
+        raise UsageError(f"creditflow ctl: {args.action} takes at most {most} value(s), got {len(args.value)}")
+    reason = args.value[1] if len(args.value) > 1 else CTL_CLOSE_REASON
     args.value = args.value[0] if args.value else None
-    if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill") and args.value is None:
+    if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill", "close-connection",
+                       "delete-queue", "purge-queue") and args.value is None:
         raise UsageError(f"creditflow ctl: {args.action} needs a value")
     try:
         with CtlClient(args.data_dir) as client:
             cmd = args.action.replace("-", "_")
             if args.action == "kill":
                 reply = client.request(cmd, name=args.value)
+            elif args.action == "close-connection":
+                reply = client.request(cmd, name=args.value, reason=reason)
+            elif args.action == "delete-queue":
+                reply = client.request(cmd, queue=args.value, if_empty=args.if_empty, if_unused=args.if_unused)
+            elif args.action == "purge-queue":
+                reply = client.request(cmd, queue=args.value)
             elif args.value is not None:
                 reply = client.request(cmd, value=args.value)
             else:

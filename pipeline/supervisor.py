@@ -251,7 +251,9 @@ class Supervisor:
         self.running = True
         self.exit_code = EXIT_OK
         self.deaths: list[dict] = []
-        self.deletions: dict[int, tuple] = {}            # request -> (queue, channel to answer or None)
+        self.deletions: dict[int, tuple] = {}            # request -> (queue, who to answer or None)
+        self.purges: dict[int, tuple] = {}               # request -> (queue, ctl client to answer)
+        self.next_request = 0
         self.after_deletion: dict[str, list] = {}        # queue -> declares that wait until it is gone
         self.ended_names: collections.deque = collections.deque()
         self.restarts = lifecycle.RestartBook()
@@ -832,6 +834,8 @@ class Supervisor:
             self.delete_queue(proc, msg)
         elif kind == "delete_answer":
             self.on_delete_answer(msg)
+        elif kind == "purge_answer":
+            self.on_purge_answer(msg)
         elif kind == "delete_me":           # auto-delete or x-expires: the queue asks to go
             self.log("info", [f"queue '{msg['queue']}' in vhost '/' is deleted ({msg.get('reason')})"])
             self.delete_queue(None, {"queue": msg["queue"]})
@@ -949,10 +953,15 @@ class Supervisor:
             if reply_to:
                 self.tell(requester, {"type": "reply", "ok": True, "message_count": 0})
             return
+        self.ask_queue_to_delete(proc, qdef, reply_to, msg)
+
+    def ask_queue_to_delete(self, proc: Proc, qdef: QueueDef, reply_to, msg: dict) -> None:
+        """The queue process checks if-unused/if-empty and answers (``delete_answer``); ``reply_to``: a
+        channel's name or a ctl client, answered then (``answer_deletion``)."""
         qdef.deleting = True
-        req = self.next_request = getattr(self, "next_request", 0) + 1
-        self.deletions[req] = (name, reply_to)
-        self.tell(proc, {"type": "delete", "req": req, "if_unused": bool(msg.get("if_unused")),
+        self.next_request += 1
+        self.deletions[self.next_request] = (qdef.name, reply_to)
+        self.tell(proc, {"type": "delete", "req": self.next_request, "if_unused": bool(msg.get("if_unused")),
                          "if_empty": bool(msg.get("if_empty"))})
 
     def on_delete_answer(self, msg: dict) -> None:
@@ -967,16 +976,23 @@ class Supervisor:
                 qdef.deleting = True
         if name is None or name not in self.defs.queues:
             return
-        requester = self.procs.get(reply_to) if reply_to else None
         if not msg.get("ok"):
             self.defs.queues[name].deleting = False
             self.replay_declares(name)
-            if requester is not None:
-                self.tell(requester, {"type": "reply", **{k: v for k, v in msg.items() if k not in ("type", "req")}})
+            self.answer_deletion(reply_to, {k: v for k, v in msg.items() if k not in ("type", "req")})
             return
         self.queue_deleted(name, msg.get("message_count", 0))
-        if requester is not None:
-            self.tell(requester, {"type": "reply", "ok": True, "message_count": msg.get("message_count", 0)})
+        self.answer_deletion(reply_to, {"ok": True, "message_count": msg.get("message_count", 0)})
+
+    def answer_deletion(self, reply_to, reply: dict) -> None:
+        """To a channel (by name, if it is still there) its ``reply``; to a ctl client ctl's shape of it."""
+        if isinstance(reply_to, str):
+            requester = self.procs.get(reply_to)
+            if requester is not None:
+                self.tell(requester, {"type": "reply", **reply})
+        elif reply_to is not None:
+            self.ctl.reply(reply_to, reply if reply.get("ok") else
+                           {"ok": False, "code": reply.get("code"), "error": reply.get("text")})
 
     def queue_deleted(self, name: str, messages: int) -> None:
         """The queue is gone: out of the definitions and the routing table (every copy told), its
@@ -1105,19 +1121,25 @@ class Supervisor:
             self.ctl_waiting.append((client, key, req["value"]))
             self.tell(wd, {"type": cmd, "value": req["value"]})
             return None
-        if cmd == "set_vhost_limits":
+        if cmd == "set_vhost_limits":          # "merge": true keeps the limits not named (the HTTP API's PUT)
             try:
-                self.defs.limits = parse_limits(req.get("value") if req.get("value") is not None else "")
+                limits = parse_limits(req.get("value") if req.get("value") is not None else "")
             except BadLimits as exc:
                 return {"ok": False, "error": str(exc)}
+            self.defs.limits = {**self.defs.limits, **limits} if req.get("merge") else limits
             self.save_definitions()
             self.log("info", [f"Setting vhost limits to {json.dumps(self.defs.limits)} for vhost '/'"])
             return {"ok": True, "limits": self.defs.limits}
-        if cmd == "clear_vhost_limits":
-            self.defs.limits = {}
+        if cmd == "clear_vhost_limits":        # "name": that one only (the HTTP API's DELETE)
+            name = req.get("name")
+            self.defs.limits = {k: v for k, v in self.defs.limits.items() if name is not None and k != name}
             self.save_definitions()
-            self.log("info", ["Clearing vhost '/' limits"])
-            return {"ok": True, "limits": {}}
+            self.log("info", [f"Clearing vhost '/' limit {name}" if name is not None else "Clearing vhost '/' limits"])
+            return {"ok": True, "limits": self.defs.limits}
+        if cmd == "close_connection":
+            return self.close_connection(req.get("name"), req.get("reason"))
+        if cmd in ("delete_queue", "purge_queue"):
+            return self.ctl_queue_op(client, cmd, req)
         if cmd == "list_vhost_limits":
             return {"ok": True, "limits": self.defs.limits}
         if cmd == "stop":
@@ -1138,6 +1160,61 @@ class Supervisor:
         else:
             os.kill(proc.pid, signal.SIGKILL)
         return {"ok": True, "pid": proc.pid, "host": proc.host}
+
+    # -- what the management API (and ctl) change: connections and queues ---------------------------
+    def close_connection(self, name, reason) -> dict:
+        """rabbitmqctl close_connection: the connection (its name, ``A:P -> B:Q``, or its reader's)
+        is sent connection.close 320 ``CONNECTION_FORCED - <reason>`` by its reader."""
+        if not isinstance(name, str) or not isinstance(reason, str):
+            return {"ok": False, "error": "close_connection needs a connection name and a reason"}
+        reader = next((p for p in self.procs.values() if p.kind == "reader" and name in (p.name, p.peer)), None)
+        if reader is None:
+            return {"ok": False, "code": 404, "error": f"no connection {name!r}"}
+        self.log("info", [f"Closing connection {reader.name} ({reader.peer}) because {json.dumps(reason)}"])
+        self.tell(reader, {"type": "force_close", "text": f"CONNECTION_FORCED - {reason}"})
+        return {"ok": True, "process": reader.name}
+
+    def ctl_queue_op(self, client, cmd: str, req: dict) -> dict | None:
+        """delete_queue (``if_empty``, ``if_unused``) or purge_queue, answered once the queue process
+        has done it. ``exclusive_check``: refuse an exclusive queue (405) as a connection other than
+        its owner is refused (the HTTP API's; rabbitmqctl's are not)."""
+        name = req.get("queue")
+        if not isinstance(name, str):
+            return {"ok": False, "error": f"{cmd} needs a queue name"}
+        qdef = self.defs.queues.get(name)
+        if qdef is None or qdef.deleting:
+            return {"ok": False, "code": 404, "error": not_found_queue(name).text}
+        if req.get("exclusive_check"):
+            try:
+                self.check_owner(name, None, (50, 40) if cmd == "delete_queue" else (50, 30))
+            except AmqpError as exc:
+                return {"ok": False, "code": exc.reply_code, "error": exc.reply_text}
+        proc = self.procs.get(f"queue-{name}")
+        running = proc is not None and proc.state == "running"
+        if cmd == "delete_queue":
+            if not running:
+                self.queue_deleted(name, 0)
+                return {"ok": True, "message_count": 0}
+            self.ask_queue_to_delete(proc, qdef, client, req)
+            return None
+        if not running:
+            return {"ok": False, "code": 404, "error": queue_stopped(name).text}
+        self.next_request += 1
+        self.purges[self.next_request] = (name, client)
+        self.tell(proc, {"type": "purge", "req": self.next_request})
+        return None
+
+    def on_purge_answer(self, msg: dict) -> None:
+        _, client = self.purges.pop(msg.get("req"), (None, None))
+        if client is not None:
+            self.ctl.reply(client, {"ok": True, "message_count": msg.get("message_count", 0)})
+
+    def fail_pending_purges(self, queue: str) -> None:
+        """The queue process ended before it answered a purge: the ctl client hears so."""
+        for req, (name, client) in list(self.purges.items()):
+            if name == queue:
+                del self.purges[req]
+                self.ctl.reply(client, {"ok": False, "code": 404, "error": queue_stopped(name).text})
 
     def status(self) -> dict:
         now = time.monotonic_ns()
@@ -1236,6 +1313,8 @@ class Supervisor:
             verdict = dataclasses.replace(verdict, how=proc.exit_how)
         proc.state = verdict.state
         self.close_proc(proc)
+        if proc.kind == "queue":
+            self.fail_pending_purges(proc.name[len("queue-"):])
         if not verdict.crashed and code != 0:
             self.log("warning", [f"{proc.name} (pid {proc.pid}) exited with {verdict.how} while it was "
                                  "ending"])

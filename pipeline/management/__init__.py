@@ -6,6 +6,7 @@ prometheus plugins serve them.
 ``metrics``     pure: the same status as Prometheus metric families (RabbitMQ's names, and
                 ``creditflow_*`` for what RabbitMQ lacks)
 ``histogram``   pure: the store's fsync times as cumulative buckets (the supervisor keeps one)
+``writes``      pure: each path's methods, and the write calls' checks and refusals as RabbitMQ answers
 ``server``      the shell: a process of its own, started and restarted by the supervisor; it asks the
                 supervisor for ``status`` over the ctl socket, so a slow HTTP client never stalls the broker
 """

@@ -13,10 +13,13 @@ only its own thread here. One status serves every request for
 Paths: ``/api/overview``, ``/api/nodes``, ``/api/connections``, ``/api/channels``,
 ``/api/queues[/VHOST[/NAME]]``, ``/api/consumers``, ``/api/health/checks/alarms``,
 ``/api/health/checks/local-alarms``, ``/api/whoami``, ``/api/vhosts``,
-``/api/exchanges``, ``/api/bindings``,
+``/api/exchanges``, ``/api/bindings``, ``/api/vhost-limits[/VHOST]``,
 ``/api/creditflow/processes``, ``/api/creditflow/links`` (HTTP basic auth with
 the broker's users; ``?columns=a,b.c`` as RabbitMQ's), and ``/metrics``
 (``/metrics/per-object`` alike; no auth, as RabbitMQ's prometheus plugin).
+The write calls (PUT and DELETE, same auth; ``pipeline.management.writes``)
+are ctl requests too, each on a ctl connection of its own, so a queue that
+takes a moment to answer its deletion holds up no reader of the status.
 """
 
 from __future__ import annotations
@@ -35,12 +38,14 @@ from urllib.parse import parse_qs, unquote, urlsplit
 from ipc import control
 from ipc.errors import CorruptRecord, PeerGone
 from pipeline.ctlclient import BrokerNotRunning, CtlClient
+from pipeline.management import writes
 from pipeline.management.views import (VHOST, RateBook, Views, bindings_view, exchanges_view, select_columns,
                                        whoami)
 
 STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share it
 CTL_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 30.0          # an HTTP client silent this long loses its connection
+MAX_BODY_BYTES = 64 * 1024       # a PUT's body (``{"value": N}``); a longer one is refused 413
 REALM = 'Basic realm="RabbitMQ Management"'
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
 LIVE_PAGE = (Path(__file__).with_name("live.html")).read_bytes()   # the live page at ``/`` (it logs in itself)
@@ -52,7 +57,8 @@ class BrokerUnavailable(Exception):
 
 
 class StatusSource:
-    """The broker's status, asked over the ctl socket at most every ``max_age_s``; one at a time."""
+    """The broker's status, asked over the ctl socket at most every ``max_age_s``; one at a time.
+    ``command`` sends any other ctl request (the writes, the vhost's limits)."""
 
     def __init__(self, ctl_path: str, max_age_s: float = STATUS_MAX_AGE_S) -> None:
         self.ctl_path = ctl_path
@@ -77,6 +83,14 @@ class StatusSource:
         with self.lock:
             return self._ask("topology")
 
+    def command(self, cmd: str, **args) -> dict:
+        """One ctl request on a connection of its own (a write: never sent twice); its reply, ok or not."""
+        try:
+            with CtlClient(path=self.ctl_path, timeout_s=CTL_TIMEOUT_S) as client:
+                return client.request(cmd, **args)
+        except (OSError, ValueError, BrokerNotRunning) as exc:
+            raise BrokerUnavailable(str(exc)) from None
+
     def _ask(self, cmd: str = "status") -> dict:
         for attempt in (1, 2):        # a second try on a fresh connection (the supervisor dropped ours)
             try:
@@ -96,7 +110,7 @@ class StatusSource:
 
 
 class App:
-    """Routing and auth: (method, path, query, Authorization header) in, (code, headers, body) out."""
+    """Routing and auth: (method, path, query, headers, body) in, (code, headers, body) out."""
 
     def __init__(self, source: StatusSource, users: dict[str, str]) -> None:
         self.source = source
@@ -114,10 +128,14 @@ class App:
             return None
         return user
 
-    def handle(self, path: str, query: str, authorization: str | None) -> tuple[int, dict, bytes]:
+    def handle(self, method: str, path: str, query: str, headers, body: bytes = b"") -> tuple[int, dict, bytes]:
+        """``headers``: the request's (``.get`` by name, any case); ``body``: what came with a PUT."""
         parts = [unquote(p) for p in path.split("/")[1:]]
         if parts and parts[-1] == "" and len(parts) > 1:
             parts = parts[:-1]
+        allow = writes.allowed(parts)
+        if method == "OPTIONS" or method not in allow:        # before any login, as RabbitMQ answers
+            return 200 if method == "OPTIONS" else 405, {"Allow": ", ".join(allow)}, b""
         try:
             if parts in ([""], ["index.html"]):
                 return 200, {"Content-Type": "text/html; charset=utf-8", "Cache-Control": "no-cache"}, LIVE_PAGE
@@ -125,27 +143,68 @@ class App:
                 return self.metrics()
             if parts[:1] != ["api"]:
                 return 404, {"Content-Type": JSON}, _json(NOT_FOUND)
+            authorization = headers.get("Authorization")
             user = self.login(authorization)
             if user is None:
-                headers = {"WWW-Authenticate": REALM}
+                answer = {"WWW-Authenticate": REALM}
                 if authorization is None:
-                    return 401, headers, b""
-                return 401, {**headers, "Content-Type": JSON}, _json({"error": "not_authorized",
-                                                                    "reason": "Login failed"})
-            code, body = self.api(parts[1:], user)
+                    return 401, answer, b""
+                return 401, {**answer, "Content-Type": JSON}, _json({"error": "not_authorized",
+                                                                   "reason": "Login failed"})
+            if method in ("PUT", "DELETE"):
+                code, body = self.write(method, parts[1:], parse_qs(query), headers, body)
+            else:
+                code, body = self.api(parts[1:], user)
         except BrokerUnavailable as exc:
             return 503, {"Content-Type": JSON}, _json({"error": "broker_unavailable", "reason": str(exc)})
+        except writes.UnsupportedMediaType:
+            return 415, {}, b""
+        if code == 204:
+            return 204, {}, b""
         if code == 200:
             columns = parse_qs(query).get("columns")
             if columns:
                 body = select_columns(body, [c for c in ",".join(columns).split(",") if c])
         return code, {"Content-Type": JSON, "Cache-Control": "no-cache"}, _json(body)
 
+    def write(self, method: str, parts: list[str], query: dict, headers, body: bytes) -> tuple[int, object]:
+        """PUT and DELETE (``writes.allowed`` let only those through that a path takes)."""
+        if parts[0] == "connections":
+            reason = headers.get("X-Reason")
+            if reason is not None:          # http.server read the header as latin-1: undo that
+                reason = reason.encode("latin-1", "replace").decode("utf-8", "replace")
+            reply = self.source.command("close_connection", name=parts[1], reason=reason or writes.FORCED_REASON)
+        elif parts[0] == "vhost-limits":
+            if method == "PUT":
+                writes.check_json(headers.get("Content-Type"))
+            if parts[1] != VHOST:
+                return 404, writes.VHOST_NOT_FOUND
+            try:
+                if method == "PUT":
+                    value = writes.limit_value(parts[2], body)
+                    reply = self.source.command("set_vhost_limits", value={parts[2]: value}, merge=True)
+                else:
+                    reply = self.source.command("clear_vhost_limits", name=parts[2])
+            except writes.BadRequest as exc:
+                return 400, {"error": "bad_request", "reason": str(exc)}
+        elif parts[1] != VHOST:
+            return 404, NOT_FOUND
+        elif len(parts) == 4:
+            reply = self.source.command("purge_queue", queue=parts[2], exclusive_check=True)
+        else:
+            reply = self.source.command("delete_queue", queue=parts[2], if_empty=writes.flag(query, "if-empty"),
+                                        if_unused=writes.flag(query, "if-unused"), exclusive_check=True)
+        return (204, None) if reply.get("ok") else writes.refusal(reply)
+
     def api(self, parts: list[str], user: str) -> tuple[int, object]:
         if parts == ["whoami"]:
             return 200, whoami(user)
         if parts == ["vhosts"]:
             return 200, [{"name": VHOST, "description": "Default virtual host", "tracing": False}]
+        if parts[:1] == ["vhost-limits"] and len(parts) <= 2:
+            if len(parts) == 2 and parts[1] != VHOST:
+                return 404, NOT_FOUND
+            return 200, writes.vhost_limits_view(self.source.command("list_vhost_limits").get("limits") or {})
         views = Views(self.source.get(), self.source.rates)
         if parts == ["overview"]:
             return 200, views.overview()
@@ -199,20 +258,28 @@ class Handler(BaseHTTPRequestHandler):
     timeout = CLIENT_TIMEOUT_S
 
     def do_GET(self) -> None:
-        self.answer(send_body=True)
+        self.answer()
 
-    def do_HEAD(self) -> None:
-        self.answer(send_body=False)
+    do_HEAD = do_PUT = do_DELETE = do_POST = do_PATCH = do_OPTIONS = do_GET
 
-    def answer(self, send_body: bool) -> None:
+    def answer(self) -> None:
         url = urlsplit(self.path)
-        code, headers, body = self.server.app.handle(url.path, url.query, self.headers.get("Authorization"))
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self.send_error(400 if length < 0 else 413)
+            return
+        body = self.rfile.read(length) if length else b""
+        code, headers, body = self.server.app.handle(self.command, url.path, url.query, self.headers, body)
         self.send_response(code)
         for name, value in headers.items():
             self.send_header(name, value)
-        self.send_header("Content-Length", str(len(body)))
+        if code != 204:                     # a 204 has no body, nor a length for one
+            self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        if send_body:
+        if self.command != "HEAD" and code != 204:
             self.wfile.write(body)
 
     def log_message(self, format, *args) -> None:      # noqa: A002  (the broker's log is for the broker)

@@ -1,0 +1,343 @@
+"""The management API's write calls, as RabbitMQ 3.10.8 answers them: first the routing, checks and
+refusals with a fake broker behind the API, then a real ``creditflow serve`` whose connections are
+closed, limits set and queues deleted and purged over HTTP, by ``creditflow ctl`` and by RabbitMQ's
+own ``rabbitmqadmin``. Every code, body and text asserted here was read from a RabbitMQ 3.10.8 node
+given the same requests."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import subprocess
+import time
+from urllib.parse import quote
+
+import pytest
+
+from conftest import ROOT, creditflow_cmd
+from pipeline.management import writes
+from pipeline.management.server import App
+
+GUEST = "Basic " + base64.b64encode(b"guest:guest").decode()
+NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
+LOCKED = ("cannot obtain exclusive access to locked queue '{}' in vhost '/'. It could be originally declared "
+          "on another connection or the exclusive property value does not match that of the original declaration.")
+
+
+# -- pure: the API in front of a fake broker -------------------------------------------------------------------
+class FakeBroker:
+    """What ``App`` asks the supervisor (``command``), recorded; the answers are set per command."""
+
+    def __init__(self, **replies) -> None:
+        self.replies = {"list_vhost_limits": {"ok": True, "limits": {}}, **replies}
+        self.asked: list[tuple[str, dict]] = []
+
+    def command(self, cmd: str, **args) -> dict:
+        self.asked.append((cmd, args))
+        return self.replies.get(cmd, {"ok": True})
+
+
+def handle(app: App, method: str, path: str, body: bytes = b"", **headers) -> tuple[int, dict, object]:
+    headers = {"Authorization": GUEST, **{k.replace("_", "-"): v for k, v in headers.items()}}
+    headers = {k: v for k, v in headers.items() if v is not None}
+    url, _, query = path.partition("?")
+    code, got, raw = app.handle(method, url, query, headers, body)
+    return code, got, json.loads(raw) if raw else raw
+
+
+def test_other_methods_are_405_with_the_paths_allow_list_before_any_login():
+    app = App(FakeBroker(), {"guest": "guest"})
+    for method, path, allow in (("POST", "/api/connections", "HEAD, GET, OPTIONS"),
+                                ("PUT", "/api/connections/c", "HEAD, GET, DELETE, OPTIONS"),
+                                ("PATCH", "/api/queues/%2F/q", "HEAD, GET, DELETE, OPTIONS"),
+                                ("GET", "/api/queues/%2F/q/contents", "DELETE, OPTIONS"),
+                                ("HEAD", "/api/vhost-limits", "GET, OPTIONS"),
+                                ("DELETE", "/api/vhost-limits/%2F", "GET, OPTIONS"),
+                                ("POST", "/api/vhost-limits/%2F/max-queues", "PUT, DELETE, OPTIONS"),
+                                ("DELETE", "/api/overview", "HEAD, GET, OPTIONS"),
+                                ("PUT", "/metrics", "HEAD, GET, OPTIONS")):
+        assert handle(app, method, path, Authorization=None) == (405, {"Allow": allow}, b""), (method, path)
+    assert handle(app, "OPTIONS", "/api/connections/c", Authorization=None) == (
+        200, {"Allow": "HEAD, GET, DELETE, OPTIONS"}, b"")
+    code, headers, body = handle(app, "DELETE", "/api/connections/c", Authorization=None)
+    assert (code, headers["WWW-Authenticate"], body) == (401, 'Basic realm="RabbitMQ Management"', b"")
+    code, _, body = handle(app, "PUT", "/api/vhost-limits/%2F/max-queues", b'{"x": 1}',
+                           Authorization="Basic " + base64.b64encode(b"guest:nope").decode())
+    assert (code, body) == (401, {"error": "not_authorized", "reason": "Login failed"})
+
+
+def test_deleting_a_connection_asks_the_broker_with_rabbitmqs_reason_or_x_reason():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    assert handle(app, "DELETE", "/api/connections/127.0.0.1%3A5000%20-%3E%20127.0.0.1%3A5672") == (204, {}, b"")
+    assert handle(app, "DELETE", "/api/connections/c", X_Reason="load test over")[0] == 204
+    assert broker.asked == [("close_connection", {"name": "127.0.0.1:5000 -> 127.0.0.1:5672",
+                                                  "reason": "Closed via management plugin"}),
+                            ("close_connection", {"name": "c", "reason": "load test over"})]
+    broker.replies["close_connection"] = {"ok": False, "code": 404, "error": "no connection 'c'"}
+    assert handle(app, "DELETE", "/api/connections/c")[::2] == (404, NOT_FOUND)
+
+
+def test_vhost_limits_bodies_are_checked_in_rabbitmqs_order_with_its_reasons():
+    broker = FakeBroker(list_vhost_limits={"ok": True, "limits": {"max-connections": 3}})
+    app = App(broker, {"guest": "guest"})
+    json_type = {"Content_Type": "application/json"}
+    put = "/api/vhost-limits/%2F/max-connections"
+    assert handle(app, "GET", "/api/vhost-limits")[::2] == (200, [{"vhost": "/", "value": {"max-connections": 3}}])
+    assert handle(app, "GET", "/api/vhost-limits/%2F?columns=value")[::2] == (200, [{"value": {"max-connections": 3}}])
+    assert handle(app, "GET", "/api/vhost-limits/other")[::2] == (404, NOT_FOUND)
+    assert handle(app, "PUT", put, b'{"value": 4}') == (415, {}, b"")           # no Content-Type
+    assert handle(app, "PUT", put, b'{"value": 4}', Content_Type="text/plain") == (415, {}, b"")
+    assert handle(app, "PUT", "/api/vhost-limits/other/max-queues", b"{}", **json_type)[::2] == (
+        404, {"error": "not_found", "reason": "vhost_not_found"})
+    bad = {b"": "[{key_missing,value}]", b"null": "[{key_missing,value}]", b'{"valu": 3}': "[{key_missing,value}]",
+           b"[]": "not_json", b"5": "not_json", b'{"value": 3': "not_json",
+           b'{"value": "5"}': 'Validation failed\n\nmax-connections should be a number, actually was <<"5">>\n',
+           b'{"value": 1.5}': "Validation failed\n\nmax-connections should be a number, actually was 1.5\n",
+           b'{"value": true}': "Validation failed\n\nmax-connections should be a number, actually was true\n"}
+    for body, reason in bad.items():
+        assert handle(app, "PUT", put, body, **json_type)[::2] == (400, {"error": "bad_request", "reason": reason})
+    assert handle(app, "PUT", "/api/vhost-limits/%2F/max-channels", b'{"value": 3}', **json_type)[2]["reason"] == (
+        'Validation failed\n\nUnrecognised terms [{<<"max-channels">>,3}] in limits\n')
+    assert broker.asked == [("list_vhost_limits", {})] * 2                     # nothing bad reached the broker
+    assert handle(app, "PUT", put, b'{"value": -1, "vhost": "/"}', Content_Type="application/json; charset=utf-8") \
+        == (204, {}, b"")
+    assert handle(app, "DELETE", "/api/vhost-limits/%2F/max-queues") == (204, {}, b"")
+    assert broker.asked[2:] == [("set_vhost_limits", {"value": {"max-connections": -1}, "merge": True}),
+                                ("clear_vhost_limits", {"name": "max-queues"})]
+
+
+def test_queue_refusals_become_rabbitmqs_404_or_400_with_the_text_after_the_amqp_name():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    assert handle(app, "DELETE", "/api/queues/%2F/q?if-empty=true&if-unused=TRUE&if-empty=false") == (204, {}, b"")
+    assert handle(app, "DELETE", "/api/queues/%2F/q/contents") == (204, {}, b"")
+    assert handle(app, "DELETE", "/api/queues/other/q")[::2] == (404, NOT_FOUND)
+    assert broker.asked == [("delete_queue", {"queue": "q", "if_empty": True, "if_unused": False,
+                                              "exclusive_check": True}),
+                            ("purge_queue", {"queue": "q", "exclusive_check": True})]
+    broker.replies["delete_queue"] = {"ok": False, "code": 406,
+                                      "error": "PRECONDITION_FAILED - queue 'q' in vhost '/' not empty"}
+    assert handle(app, "DELETE", "/api/queues/%2F/q")[::2] == (
+        400, {"error": "bad_request", "reason": "queue 'q' in vhost '/' not empty"})
+    broker.replies["purge_queue"] = {"ok": False, "code": 404, "error": "NOT_FOUND - no queue 'q' in vhost '/'"}
+    assert handle(app, "DELETE", "/api/queues/%2F/q/contents")[::2] == (404, NOT_FOUND)
+
+
+def test_values_are_printed_as_erlang_prints_them():
+    assert [writes.erlang_term(v) for v in (None, False, 7, 1.5, 1e20, 'a"b\\c é', [1, "a"], {"a": 1})] == [
+        "null", "false", "7", "1.5", "1.0e20", '<<"a\\"b\\\\c é">>', '[1,<<"a">>]', '#{<<"a">> => 1}']
+    with pytest.raises(writes.BadRequest, match=r"^not_json$"):
+        writes.limit_value("max-queues", b"[1]")
+
+
+# -- a real broker ---------------------------------------------------------------------------------------------
+def call(port: int, method: str, path: str, body=None, headers=None, auth: str | None = GUEST):
+    """(status, headers with lower-case names, parsed JSON or b"") of one request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=15)
+    headers = dict(headers or {})
+    if auth is not None:
+        headers["Authorization"] = auth
+    if body is not None and not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+        headers.setdefault("Content-Type", "application/json")
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        answer = conn.getresponse()
+        raw = answer.read()
+        return answer.status, {k.lower(): v for k, v in answer.getheaders()}, json.loads(raw) if raw else raw
+    finally:
+        conn.close()
+
+
+def wait_until(fn, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def ctl(broker, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(creditflow_cmd("ctl", "--data-dir", str(broker.data_dir), *args), capture_output=True,
+                          text=True, cwd=ROOT, timeout=30)
+
+
+def closed_by_broker(conn) -> tuple[int, str]:
+    """What the broker closed pika's connection with, (reply code, text)."""
+    import pika
+    with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            conn.process_data_events(0.1)
+    return closed.value.reply_code, closed.value.reply_text
+
+
+@pytest.mark.processes
+def test_a_forced_close_reaches_the_pika_client_as_320_with_the_reason(start_broker):
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    conns = {tag: pika.BlockingConnection(pika.ConnectionParameters(
+        "127.0.0.1", broker.port, client_properties={"connection_name": tag})) for tag in ("api", "why", "ctl")}
+    try:
+        for conn in conns.values():
+            conn.channel().queue_declare("", exclusive=True)
+        name = wait_until(lambda: (named := {c["user_provided_name"]: c["name"]
+                                             for c in call(port, "GET", "/api/connections")[2]}).keys() == conns.keys()
+                          and named, what="the three connections listed by their names")
+
+        code, headers, body = call(port, "DELETE", "/api/connections/" + quote(name["api"], safe=""))
+        assert (code, body, "content-length" in headers, "content-type" in headers) == (204, b"", False, False)
+        assert closed_by_broker(conns["api"]) == (320, "CONNECTION_FORCED - Closed via management plugin")
+        assert call(port, "DELETE", "/api/connections/" + quote(name["why"], safe=""),
+                    headers={"X-Reason": "load test over"})[0] == 204
+        assert closed_by_broker(conns["why"]) == (320, "CONNECTION_FORCED - load test over")
+        done = ctl(broker, "close_connection", name["ctl"], "maintenance")
+        assert done.returncode == 0, done.stderr
+        assert closed_by_broker(conns["ctl"]) == (320, "CONNECTION_FORCED - maintenance")
+
+        wait_until(lambda: call(port, "GET", "/api/connections")[2] == [], what="the connections gone from the API")
+        broker.wait_for(lambda st: not st["queues"], what="their exclusive queues deleted")
+        assert call(port, "DELETE", "/api/connections/" + quote(name["api"], safe=""))[::2] == (404, NOT_FOUND)
+        missing = ctl(broker, "close_connection", "nobody")
+        assert missing.returncode == 2 and json.loads(missing.stdout)["code"] == 404
+        assert f'({name["api"]}) because "Closed via management plugin"' in broker.output()
+    finally:
+        for conn in conns.values():
+            if conn.is_open:
+                conn.close()
+
+
+@pytest.mark.processes
+def test_vhost_limits_set_over_http_refuse_the_next_connection_and_queue(start_broker):
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    params = pika.ConnectionParameters("127.0.0.1", broker.port)
+    assert call(port, "GET", "/api/vhost-limits")[::2] == (200, [])
+    assert call(port, "PUT", "/api/vhost-limits/%2F/max-connections", {"value": 1})[::2] == (204, b"")
+    assert call(port, "PUT", "/api/vhost-limits/%2F/max-queues", {"value": 1})[::2] == (204, b"")
+    limits = [{"vhost": "/", "value": {"max-connections": 1, "max-queues": 1}}]
+    assert call(port, "GET", "/api/vhost-limits")[::2] == call(port, "GET", "/api/vhost-limits/%2F")[::2] == (
+        200, limits)
+    assert json.loads(ctl(broker, "list_vhost_limits").stdout)["limits"] == limits[0]["value"]
+    assert call(port, "PUT", "/api/vhost-limits/%2F/max-queues", {"value": "2"})[::2] == (400, {
+        "error": "bad_request",
+        "reason": 'Validation failed\n\nmax-queues should be a number, actually was <<"2">>\n'})
+    conn = pika.BlockingConnection(params)
+    try:
+        with pytest.raises(pika.exceptions.ProbableAccessDeniedError,
+                           match=r"530.*connection limit \(1\) is reached"):
+            pika.BlockingConnection(params)
+        ch = conn.channel()
+        ch.queue_declare("only")
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker,
+                           match=r"406.*cannot declare queue 'more': queue limit in vhost '/' \(1\) is reached"):
+            ch.queue_declare("more")
+
+        assert call(port, "DELETE", "/api/vhost-limits/%2F/max-connections")[::2] == (204, b"")
+        assert call(port, "GET", "/api/vhost-limits")[2] == [{"vhost": "/", "value": {"max-queues": 1}}]
+        with pika.BlockingConnection(params) as second:              # room now
+            second.channel().queue_declare("only", passive=True)
+        assert call(port, "DELETE", "/api/vhost-limits/%2F/max-queues")[::2] == (204, b"")
+        conn.channel().queue_declare("more")
+        assert call(port, "GET", "/api/vhost-limits")[::2] == (200, [])
+    finally:
+        conn.close()
+
+
+@pytest.mark.processes
+def test_queues_are_purged_and_deleted_over_http_as_rabbitmq_does(start_broker):
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    cancelled = []
+    try:
+        ch = conn.channel()
+        for name in ("full", "consumed", "mine"):
+            ch.queue_declare(name, exclusive=name == "mine")
+            for _ in range(3):
+                ch.basic_publish("", name, b"x")
+        listener = conn.channel()
+        listener.add_on_cancel_callback(cancelled.append)
+        listener.basic_consume("consumed", lambda *a: None)
+        conn.process_data_events(0.2)
+
+        assert call(port, "DELETE", "/api/queues/%2F/full?if-empty=true")[::2] == (400, {
+            "error": "bad_request", "reason": "queue 'full' in vhost '/' not empty"})
+        assert call(port, "DELETE", "/api/queues/%2F/consumed?if-unused=true")[::2] == (400, {
+            "error": "bad_request", "reason": "queue 'consumed' in vhost '/' in use"})
+        for path in ("/api/queues/%2F/mine", "/api/queues/%2F/mine/contents"):
+            assert call(port, "DELETE", path)[::2] == (400, {"error": "bad_request", "reason": LOCKED.format("mine")})
+        assert ch.queue_declare("mine", passive=True).method.message_count == 3     # untouched
+        for path in ("/api/queues/%2F/nope", "/api/queues/%2F/nope/contents", "/api/queues/other/full"):
+            assert call(port, "DELETE", path)[::2] == (404, NOT_FOUND)
+
+        assert call(port, "DELETE", "/api/queues/%2F/full/contents")[::2] == (204, b"")
+        assert ch.queue_declare("full", passive=True).method.message_count == 0
+        assert call(port, "DELETE", "/api/queues/%2F/full?if-empty=true")[::2] == (204, b"")
+        assert call(port, "DELETE", "/api/queues/%2F/consumed")[::2] == (204, b"")
+        wait_until(lambda: conn.process_data_events(0.05) or cancelled, what="the consumer's basic.cancel")
+        assert [q["name"] for q in call(port, "GET", "/api/queues")[2]] == ["mine"]
+
+        ch.queue_declare("by-ctl")
+        ch.basic_publish("", "by-ctl", b"x")
+        assert json.loads(ctl(broker, "purge_queue", "by-ctl").stdout) == {"ok": True, "message_count": 1}
+        # rabbitmqctl purge_queue purges an exclusive queue (the API, never its owner, may not)
+        assert json.loads(ctl(broker, "purge_queue", "mine").stdout)["message_count"] == 3
+        ch.basic_publish("", "by-ctl", b"x")
+        conn.process_data_events(0.1)
+        refused = ctl(broker, "delete_queue", "by-ctl", "--if-empty")
+        assert refused.returncode == 2 and "not empty" in refused.stdout
+        assert ctl(broker, "delete-queue", "by-ctl").returncode == 0
+        assert ctl(broker, "delete-queue", "by-ctl").returncode == 2
+        assert sorted(broker.status()["queues"]) == ["mine"]
+    finally:
+        conn.close()
+
+
+RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not os.path.exists(RABBITMQADMIN),
+                    reason="rabbitmqadmin is not installed (Debian's rabbitmq-server ships it)")
+def test_rabbitmqadmin_closes_connections_purges_deletes_and_sets_limits(start_broker):
+    """RabbitMQ's own command-line client, unchanged, against the management port."""
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+
+    def admin(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([RABBITMQADMIN, "-P", str(port), *args], capture_output=True, text=True, timeout=30)
+
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("adm-q")
+        ch.basic_publish("", "adm-q", b"x")
+        assert admin("purge", "queue", "name=adm-q").stdout.strip() == "queue purged"
+        assert ch.queue_declare("adm-q", passive=True).method.message_count == 0
+        assert admin("delete", "queue", "name=adm-q").stdout.strip() == "queue deleted"
+        gone = admin("delete", "queue", "name=adm-q")
+        assert gone.returncode == 1 and "Not found: /api/queues/%2F/adm-q" in gone.stderr
+
+        assert admin("declare", "vhost_limit", "vhost=/", "name=max-queues", "value=5").returncode == 0
+        assert json.loads(admin("-f", "raw_json", "list", "vhost_limits").stdout) == [
+            {"vhost": "/", "value": {"max-queues": 5}}]
+        assert admin("delete", "vhost_limit", "vhost=/", "name=max-queues").returncode == 0
+        assert json.loads(admin("-f", "raw_json", "list", "vhost_limits").stdout) == []
+
+        name = wait_until(lambda: call(port, "GET", "/api/connections")[2], what="the connection listed")[0]["name"]
+        assert admin("close", "connection", f"name={name}").stdout.strip() == "connection closed"
+        assert closed_by_broker(conn) == (320, "CONNECTION_FORCED - Closed via management plugin")
+    finally:
+        if conn.is_open:
+            conn.close()
