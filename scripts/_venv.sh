@@ -3,8 +3,13 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-py="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+    # $PYTHON if set; else the fastest Python 3.11 here that can build it (scripts/_pick_python.py)
+    py="${PYTHON:-}"
+    if [ -z "$py" ]; then
+        py="$(python3 scripts/_pick_python.py "$(command -v python3.11 || true)" /usr/bin/python3.11 \
+              /usr/local/bin/python3.11 "$(command -v python3 || true)")" || py=python3
+    fi
     "$py" -m venv .venv
 fi
 stamp=.venv/.creditflow-installed
@@ -15,3 +20,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"
+.venv/bin/python -c 'import sys; print(f"python: {sys._base_executable} {sys.version.split()[0]}", file=sys.stderr)'
