@@ -403,6 +403,8 @@ class Queue(Stage):
         flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
         out = wire.encode_deliver(flags, c.channel, msg.id, c.ctag_bytes,
                                   memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
+        if len(out) > self.record_bytes:
+            self.batch_room = None          # counted for smaller records: read the rings' room afresh
         self.record_bytes = len(out)
         c.link.put(out)
         if action.no_ack:
