@@ -16,9 +16,9 @@ from urllib.parse import quote
 
 import pytest
 
-from conftest import ROOT, creditflow_cmd
 from pipeline.management import writes
 from pipeline.management.server import App
+from test_management_api import ctl, wait_until
 
 GUEST = "Basic " + base64.b64encode(b"guest:guest").decode()
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
@@ -150,22 +150,6 @@ def call(port: int, method: str, path: str, body=None, headers=None, auth: str |
         return answer.status, {k.lower(): v for k, v in answer.getheaders()}, json.loads(raw) if raw else raw
     finally:
         conn.close()
-
-
-def wait_until(fn, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def ctl(broker, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(creditflow_cmd("ctl", "--data-dir", str(broker.data_dir), *args), capture_output=True,
-                          text=True, cwd=ROOT, timeout=30)
 
 
 def closed_by_broker(conn) -> tuple[int, str]:
