@@ -11,7 +11,7 @@ consumer's deliveries during the publishing window, per second. Nothing of
 depend on which load generator favours which.
 
 usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
-                             [--persistent] [--confirm 1000] [--no-ack] [--queue NAME]
+                             [--persistent] [--confirm 1000] [--no-ack] [--queue NAME] [--rate MSG/S]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def publishes(queue: str, size: int, persistent: bool, frame_max: int, count: in
 
 
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
-              counts) -> None:
+              counts, rate: float | None = None) -> None:
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
@@ -117,6 +117,8 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
         time.sleep(0.001)
     sent = confirmed = 0
     buf = bytearray()
+    gap = BATCH / rate if rate else 0.0      # paced: a batch every gap seconds, no catching up after a stall
+    due = start
     while time.time() < stop:
         if confirm and sent - confirmed + BATCH > confirm:
             data = sock.recv(CHUNK)
@@ -127,6 +129,11 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
                     confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
             del buf[:used]
             continue
+        if gap:
+            now = time.time()
+            if now < due:
+                time.sleep(due - now)
+            due = max(due + gap, time.time() - gap)
         sock.sendall(batch)
         sent += BATCH
     counts.put(("sent", sent))
@@ -143,7 +150,7 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     sock.settimeout(0.2)
     buf = conn.buf
     delivered = in_window = 0
-    last_tag = 0
+    last_tag = acked = 0
     while time.time() < stop + 2:
         try:
             data = sock.recv(CHUNK)
@@ -162,16 +169,19 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
                 # basic.deliver: consumer tag (shortstr), then the u64 delivery tag
                 last_tag = struct.unpack_from(">Q", buf, ps + 5 + buf[ps + 4])[0]
         del buf[:used]
-        if not no_ack and last_tag:
+        if not no_ack and last_tag > acked:     # a tag acked twice is a channel error (406 unknown delivery tag)
             sock.sendall(marshal(1, commands.Basic.Ack(delivery_tag=last_tag, multiple=True)))
+            acked = last_tag
     counts.put(("delivered", in_window))
     counts.put(("delivered_by_end", delivered))
     sock.close()
 
 
 def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, persistent: bool = False,
-        confirm: int = 0, no_ack: bool = False, queue: str | None = None) -> dict:
-    """One run; ``deliver_rate`` is what the consumer received during the publishing window, per second."""
+        confirm: int = 0, no_ack: bool = False, queue: str | None = None, rate: float | None = None) -> dict:
+    """One run; ``deliver_rate`` is what the consumer received during the publishing window, per second.
+    ``rate``: all publishers together publish at most this many messages a second (None: as fast as the
+    socket takes them)."""
     queue = queue or f"raw-{os.getpid()}-{time.time_ns() % 10**9}"
     ctx = multiprocessing.get_context("fork")
     counts, ready = ctx.Queue(), ctx.Event()
@@ -181,7 +191,8 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     procs[0].start()
     if not ready.wait(30):
         raise SystemExit("raw driver: the consumer did not start")
-    procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts))
+    each = rate / publishers if rate else None
+    procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts, each))
               for _ in range(publishers)]
     for p in procs[1:]:
         p.start()
@@ -212,8 +223,9 @@ def main() -> int:
     ap.add_argument("--confirm", type=int, default=0)
     ap.add_argument("--no-ack", action="store_true")
     ap.add_argument("--queue", default=None)
+    ap.add_argument("--rate", type=float, default=None, help="msg/s of all publishers together (default: unpaced)")
     a = ap.parse_args()
-    res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue)
+    res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue, a.rate)
     print(f"delivered {res['deliver_rate']:,.0f} msg/s, published {res['publish_rate']:,.0f} msg/s")
     return 0
 
