@@ -382,6 +382,10 @@ class Reader(Stage):
         if multiple:
             if tag == 0:
                 tag = slot.next_tag - 1
+            elif tag not in unacked:            # RabbitMQ: the tag itself must be outstanding, as for one ack
+                self.conn.close_channel(slot.number, 406, f"PRECONDITION_FAILED - unknown delivery tag {tag}",
+                                        60, 80)
+                return
             while unacked:
                 first = next(iter(unacked))
                 if first > tag:

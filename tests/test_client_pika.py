@@ -413,6 +413,32 @@ def test_basic_recover_redelivers_what_was_not_acked(amqp):
         assert seen == [(b"0", False), (b"1", False), (b"2", False), (b"0", True), (b"1", True), (b"2", True)]
 
 
+@pytest.mark.parametrize("case", ["the same tag twice, multiple", "a multiple ack of a tag acked alone",
+                                  "the same tag twice"])
+def test_a_delivery_tag_that_is_not_outstanding_closes_the_channel(amqp, case):
+    q = amqp.name("acked-twice")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        for body in (b"a", b"b", b"c"):
+            ch.basic_publish("", q, body)
+        tags = [get_one(ch, q)[0].delivery_tag for _ in range(3)]
+        if case == "the same tag twice, multiple":
+            ch.basic_ack(tags[0], multiple=True)
+            ch.basic_ack(tags[0], multiple=True)
+            bad = tags[0]
+        elif case == "a multiple ack of a tag acked alone":      # tag 1 is still outstanding: not enough
+            ch.basic_ack(tags[1])
+            ch.basic_ack(tags[1], multiple=True)
+            bad = tags[1]
+        else:
+            ch.basic_ack(tags[0])
+            ch.basic_ack(tags[0])
+            bad = tags[0]
+        assert refusal(ch.basic_get, q) == (406, f"PRECONDITION_FAILED - unknown delivery tag {bad}")
+        assert depth(conn.channel(), q) == 2    # the first ack stands; the closed channel's others went back
+
+
 # -- direct reply-to, update-secret, message size ----------------------------------------------------
 def test_replying_to_amq_rabbitmq_reply_to_needs_a_consumer_on_it(amqp):
     with connect(amqp) as conn:
