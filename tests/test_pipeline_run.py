@@ -31,6 +31,9 @@ def test_five_second_run_loses_nothing_and_writes_the_summary(tmp_path):
     assert {"reader", "channel", "queue", "store"} <= kinds
     assert all("flow_fraction" in p for p in s["processes"].values())
     assert any("reader" in name and "channel" in name for name in s["links"])
+    cpu = s["broker_cpu"]                                 # each kind's CPU per message over the load's window
+    assert 0 < cpu["messages"] <= s["delivered"]
+    assert all(cpu["us_per_message"][k] > 0 for k in ("reader", "channel", "queue")), cpu
     assert s["latency_us"]["consumer"]["p99"] >= s["latency_us"]["consumer"]["p50"] > 0
     lines = [line for line in out.splitlines() if line.startswith("time ")]
     assert len(lines) >= 4, out
