@@ -1,0 +1,300 @@
+"""Message bodies by reference: arenas of slots in shared memory, and who still holds each slot.
+
+Theory of operation
+-------------------
+RabbitMQ keeps a message body as one reference-counted binary that the
+reader, the channel, every queue it was routed to and the consumer's writer
+share. Here a reader host copies a big body once, from the bytes it read off
+the socket, into a slot of its *arena*, a shared-memory segment the supervisor
+made before it forked any stage; the rings then carry a small reference
+(arena, offset, size, entry) in place of the body, and the consumer's reader
+hands the slot's bytes to its socket with a scatter-gather send.
+
+Python has no atomic read-modify-write on shared memory, so there is no shared
+count to decrement. Each slot lists its holders instead, one u32 word each,
+and every word has exactly one writer at any time::
+
+    channel   set by the allocator to the publishing channel's holder id;
+              cleared by that channel once it has routed the message
+    queue[i]  set by the channel, before it clears its own word, to the
+              holder id of the i-th queue it routes to; cleared by that queue
+              once the message is gone from it (acked, dropped, paged, copied)
+    lent[i]   set by queue i, only while 0, to the holder id of the reader it
+              hands a delivery to; cleared by that reader once the bytes are
+              in its socket or copied aside
+
+A slot is free when every word is 0. Only the allocator (the one reader host
+that owns the arena) frees slots, oldest first, and only it writes the
+arena's header. It reads a slot's words in the order they are cleared
+(channel, then each queue, then its lent), so on x86-64 (stores and loads each
+in program order) a word set before another was cleared is always seen. A
+holder that died clears nothing: the supervisor marks every stage that ended
+in the :class:`Liveness` table, and the allocator counts a dead holder's word
+as clear. Holder ids are never reused within a run; 0 means "no holder", and a
+stage without an id (the table is full) simply moves bodies by copy.
+
+A slot held long (a message that waits in a queue, unacked) stops the oldest-
+first reuse behind it; allocation then fails and the reader sends the body
+inline, as before. While over half the arena is in use the allocator sets
+``pressure``, and queues copy the bodies they hold out of the arena.
+
+Byte layout
+-----------
+Integers are native little-endian words (``ipc.ring`` checks the byte order).
+Arena header, 64 bytes, written only by the allocator (and by the creator)::
+
+    offset  0  u64 magic       ARENA_MAGIC
+    offset  8  u64 capacity    bytes of the data area (a multiple of SLOT_ALIGN_BYTES)
+    offset 16  u64 head        bytes ever allocated (wrap skips included)
+    offset 24  u64 tail        bytes ever freed
+    offset 32  u64 allocated   slots ever allocated
+    offset 40  u64 refused     allocations refused for want of room
+    offset 48  u64 pressure    1 while head - tail > capacity / 2
+
+A slot at data[pos % capacity], pos a multiple of SLOT_ALIGN_BYTES::
+
+    u32 slot_bytes | u32 body_bytes | u32 channel | u32 queues (how many entries the channel set)
+    QUEUE_ENTRIES x (u32 queue | u32 lent) | body | padding to SLOT_ALIGN_BYTES
+
+A slot never wraps: when one does not fit before the end of the data area,
+``slot_bytes`` there is WRAP_MARKER and the slot starts at offset 0.
+
+The liveness table is a bitmap over holder ids, bit set = that holder ended;
+only the supervisor writes it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+from ipc.errors import CorruptRecord
+
+ARENA_MAGIC = 0x31414E4552414643          # b"CFARENA1" read as a little-endian u64
+HEADER_BYTES = 64
+SLOT_ALIGN_BYTES = 64
+SLOT_HEADER_BYTES = 64
+QUEUE_ENTRIES = 6
+WRAP_MARKER = 0xFFFFFFFF
+MIN_CAPACITY_BYTES = 4 * SLOT_ALIGN_BYTES
+LIVENESS_IDS = 1 << 23                    # holder ids 1 .. LIVENESS_IDS - 1; the table is 1 MiB
+
+# header word indices (u64)
+_MAGIC, _CAP, _HEAD, _TAIL, _ALLOCATED, _REFUSED, _PRESSURE = range(7)
+# slot word indices (u32), relative to the slot's first word
+_SLOT_BYTES, _BODY_BYTES, _CHANNEL, _QUEUES, _ENTRIES = 0, 1, 2, 3, 4
+
+REF = struct.Struct("<IIII")              # arena index, slot offset, body bytes, queue entry (deliveries)
+REF_BYTES = REF.size
+
+
+def slot_bytes(body_bytes: int) -> int:
+    """Arena space one body of ``body_bytes`` takes, its slot header included."""
+    return SLOT_HEADER_BYTES + ((body_bytes + SLOT_ALIGN_BYTES - 1) & -SLOT_ALIGN_BYTES)
+
+
+@dataclass(frozen=True)
+class ArenaStatistics:
+    capacity_bytes: int
+    used_bytes: int          # allocated and not yet freed (wrap skips included)
+    allocated: int           # slots ever allocated
+    refused: int             # allocations refused: no room (the body went inline)
+    pressure: bool           # over half full: holders copy their bodies out
+
+
+class Liveness:
+    """Which holders have ended: the supervisor marks, allocators ask."""
+
+    __slots__ = ("bits",)
+
+    def __init__(self, buf):
+        self.bits = memoryview(buf).cast("B")
+        if len(self.bits) * 8 < LIVENESS_IDS:
+            raise ValueError(f"a liveness table needs {LIVENESS_IDS // 8} bytes, got {len(self.bits)}")
+
+    def mark_dead(self, holder: int) -> None:
+        if 0 < holder < LIVENESS_IDS:
+            self.bits[holder >> 3] |= 1 << (holder & 7)
+
+    def dead(self, holder: int) -> bool:
+        return 0 < holder < LIVENESS_IDS and bool(self.bits[holder >> 3] & (1 << (holder & 7)))
+
+
+class Arena:
+    """An arena over ``buf``: its allocator (one process), or a holder's view of it (any process).
+
+    ``create=True`` initialises the header (the supervisor, once, before any
+    stage maps it). The allocator uses ``alloc``, ``body`` and ``reclaim``;
+    channels ``route`` and ``release_channel``; queues ``entry_of``,
+    ``release``, ``lend``; readers ``give_back``; anyone ``body`` and
+    ``statistics``.
+    """
+
+    __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness")
+
+    def __init__(self, buf, liveness: Liveness, *, create: bool):
+        mv = memoryview(buf).cast("B")
+        cap = (len(mv) - HEADER_BYTES) & -SLOT_ALIGN_BYTES
+        if cap < MIN_CAPACITY_BYTES:
+            raise ValueError(f"an arena needs at least {HEADER_BYTES + MIN_CAPACITY_BYTES} bytes, got {len(mv)}")
+        self.mv = mv
+        self.liveness = liveness
+        self.capacity_bytes = cap
+        self.max_body_bytes = cap // 2 - SLOT_HEADER_BYTES
+        self._hdr = hdr = mv[:HEADER_BYTES].cast("Q")
+        self._data = mv[HEADER_BYTES:HEADER_BYTES + cap]
+        self._words = self._data.cast("I")
+        if create:
+            mv[:HEADER_BYTES] = bytes(HEADER_BYTES)
+            hdr[_CAP] = cap
+            hdr[_MAGIC] = ARENA_MAGIC
+        elif hdr[_MAGIC] != ARENA_MAGIC or hdr[_CAP] != cap:
+            raise CorruptRecord(f"buffer holds no arena of {cap} bytes (magic {hdr[_MAGIC]:#x})")
+
+    # -- the allocator ----------------------------------------------------------------------
+    def alloc(self, body_bytes: int, channel: int) -> int | None:
+        """A slot for ``body_bytes`` held by ``channel`` (its offset), or None when there is no room."""
+        need = slot_bytes(body_bytes)
+        if body_bytes > self.max_body_bytes or not channel:
+            return None
+        hdr = self._hdr
+        cap = self.capacity_bytes
+        head = hdr[_HEAD]
+        off = head % cap
+        skip = cap - off if off + need > cap else 0
+        if head + skip + need - hdr[_TAIL] > cap:
+            self.reclaim()
+            if head + skip + need - hdr[_TAIL] > cap:
+                hdr[_REFUSED] += 1
+                return None
+        words = self._words
+        if skip:
+            words[off >> 2] = WRAP_MARKER
+            off = 0
+        w = off >> 2
+        words[w:w + SLOT_HEADER_BYTES // 4] = _EMPTY_SLOT_HEADER
+        words[w + _SLOT_BYTES] = need
+        words[w + _BODY_BYTES] = body_bytes
+        words[w + _CHANNEL] = channel
+        hdr[_HEAD] = head + skip + need
+        hdr[_ALLOCATED] += 1
+        if hdr[_HEAD] - hdr[_TAIL] > cap // 2:
+            self.reclaim()
+        return off
+
+    def reclaim(self) -> int:
+        """Free the oldest slots that nobody holds any more; return how many bytes came free."""
+        hdr = self._hdr
+        cap = self.capacity_bytes
+        words = self._words
+        head = hdr[_HEAD]
+        tail = start = hdr[_TAIL]
+        while tail < head:
+            off = tail % cap
+            size = words[off >> 2]
+            if size == WRAP_MARKER:
+                tail += cap - off
+                continue
+            if size < SLOT_HEADER_BYTES or size > cap or size & (SLOT_ALIGN_BYTES - 1):
+                raise CorruptRecord(f"arena slot at {off} claims {size} bytes")
+            if self.held(off):
+                break
+            tail += size
+        if tail != start:
+            hdr[_TAIL] = tail
+        hdr[_PRESSURE] = 1 if head - tail > cap // 2 else 0
+        return tail - start
+
+    def held(self, off: int) -> bool:
+        """Whether anyone alive still holds the slot at ``off`` (read in the order words are cleared)."""
+        words = self._words
+        dead = self.liveness.dead
+        w = off >> 2
+        holder = words[w + _CHANNEL]
+        if holder and not dead(holder):
+            return True
+        for e in range(w + _ENTRIES, w + _ENTRIES + 2 * QUEUE_ENTRIES, 2):
+            holder = words[e]
+            if holder and not dead(holder):
+                return True
+            holder = words[e + 1]
+            if holder and not dead(holder):
+                return True
+        return False
+
+    # -- every holder ---------------------------------------------------------------------
+    def body(self, off: int, body_bytes: int) -> memoryview:
+        """The body in the slot at ``off`` (a view: valid while the caller's word holds the slot)."""
+        start = off + SLOT_HEADER_BYTES
+        return self._data[start:start + body_bytes]
+
+    def route(self, off: int, queues) -> bool:
+        """The channel's step: hand the slot to ``queues`` (holder ids, one entry each), then let go of it.
+        False (and nothing written) when there are more queues than entries: the body goes by copy."""
+        if len(queues) > QUEUE_ENTRIES:
+            return False
+        words = self._words
+        w = off >> 2
+        e = w + _ENTRIES
+        for q in queues:
+            words[e] = q
+            e += 2
+        words[w + _QUEUES] = len(queues)
+        words[w + _CHANNEL] = 0
+        return True
+
+    def release_channel(self, off: int) -> None:
+        """The channel lets go of a slot it routed nowhere (or sent on by copy)."""
+        self._words[(off >> 2) + _CHANNEL] = 0
+
+    def entry_of(self, off: int, queue: int) -> int:
+        """Which of the slot's entries is ``queue``'s (-1: none)."""
+        words = self._words
+        e = (off >> 2) + _ENTRIES
+        for i in range(QUEUE_ENTRIES):
+            if words[e + 2 * i] == queue:
+                return i
+        return -1
+
+    def release(self, off: int, entry: int) -> None:
+        """Queue ``entry`` lets go of the slot (its message is gone from the queue, or copied out)."""
+        self._words[(off >> 2) + _ENTRIES + 2 * entry] = 0
+
+    def lend(self, off: int, entry: int, reader: int) -> bool:
+        """Queue ``entry`` lends the slot to ``reader`` for one delivery; False while an earlier loan is out."""
+        i = (off >> 2) + _ENTRIES + 2 * entry + 1
+        words = self._words
+        if words[i] or not reader:
+            return False
+        words[i] = reader
+        return True
+
+    def give_back(self, off: int, entry: int) -> None:
+        """The reader is done with a loan: the delivery's bytes are in its socket, or copied aside."""
+        self._words[(off >> 2) + _ENTRIES + 2 * entry + 1] = 0
+
+    @property
+    def pressure(self) -> bool:
+        return bool(self._hdr[_PRESSURE])
+
+    def statistics(self) -> ArenaStatistics:
+        hdr = self._hdr
+        return ArenaStatistics(self.capacity_bytes, hdr[_HEAD] - hdr[_TAIL], hdr[_ALLOCATED], hdr[_REFUSED],
+                               bool(hdr[_PRESSURE]))
+
+    def release_views(self) -> None:
+        """Drop this object's views so the mapping under it can close."""
+        for view in (self._words, self._data, self._hdr, self.mv):
+            view.release()
+
+
+_EMPTY_SLOT_HEADER = memoryview(bytes(SLOT_HEADER_BYTES)).cast("I")
+
+
+def arena_bytes(capacity_bytes: int) -> int:
+    """Segment size for an arena with ``capacity_bytes`` of data area."""
+    return HEADER_BYTES + (capacity_bytes & -SLOT_ALIGN_BYTES)
+
+
+def liveness_bytes() -> int:
+    return LIVENESS_IDS // 8

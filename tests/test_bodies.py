@@ -1,0 +1,129 @@
+"""The body arena over plain bytearrays: allocation, the holders' words, oldest-first reuse, dead holders."""
+
+import pytest
+
+from ipc.bodies import (
+    HEADER_BYTES, QUEUE_ENTRIES, SLOT_HEADER_BYTES, Arena, Liveness, arena_bytes, liveness_bytes, slot_bytes,
+)
+from ipc.errors import CorruptRecord
+
+CHANNEL, Q1, Q2, READER = 11, 21, 22, 31
+
+
+def arena(capacity=4096):
+    live = Liveness(bytearray(liveness_bytes()))
+    return Arena(bytearray(arena_bytes(capacity)), live, create=True), live
+
+
+def put(a, body: bytes, channel=CHANNEL):
+    off = a.alloc(len(body), channel)
+    if off is not None:
+        a.body(off, len(body))[:] = body
+    return off
+
+
+def test_a_body_is_written_once_and_read_back_by_any_view_of_the_same_bytes():
+    buf = bytearray(arena_bytes(4096))
+    live = Liveness(bytearray(liveness_bytes()))
+    owner = Arena(buf, live, create=True)
+    off = put(owner, b"hello body")
+    other = Arena(buf, live, create=False)        # another process's view of the same segment
+    assert bytes(other.body(off, 10)) == b"hello body"
+    assert owner.statistics().used_bytes == slot_bytes(10) == SLOT_HEADER_BYTES + 64
+
+
+def test_attaching_to_bytes_that_hold_no_arena_is_refused():
+    live = Liveness(bytearray(liveness_bytes()))
+    with pytest.raises(CorruptRecord, match="no arena"):
+        Arena(bytearray(arena_bytes(4096)), live, create=False)
+
+
+def test_a_slot_is_free_only_once_channel_every_queue_and_every_loan_let_go():
+    a, _ = arena()
+    off = put(a, b"x" * 100)
+    assert a.held(off)
+    assert a.route(off, [Q1, Q2])                 # the channel hands it to two queues, and lets go
+    e1, e2 = a.entry_of(off, Q1), a.entry_of(off, Q2)
+    assert (e1, e2) == (0, 1)
+    assert a.lend(off, e1, READER)
+    assert not a.lend(off, e1, READER)           # one loan per entry at a time
+    a.release(off, e1)
+    a.release(off, e2)
+    assert a.held(off)                           # the reader still sends from it
+    assert a.reclaim() == 0
+    a.give_back(off, e1)
+    assert not a.held(off)
+    assert a.reclaim() == slot_bytes(100)
+    assert a.statistics().used_bytes == 0
+
+
+def test_slots_come_free_oldest_first_so_a_held_slot_keeps_the_ones_behind_it():
+    a, _ = arena()
+    first, second = put(a, b"a" * 10), put(a, b"b" * 10)
+    a.release_channel(second)
+    assert a.reclaim() == 0                       # the first is still held
+    a.release_channel(first)
+    assert a.reclaim() == 2 * slot_bytes(10)
+
+
+def test_a_full_arena_refuses_and_counts_it_then_reuses_space_once_freed():
+    a, _ = arena(4096)
+    size = 1024 - SLOT_HEADER_BYTES              # slots of exactly 1 KiB
+    offs = [put(a, bytes([i]) * size) for i in range(4)]
+    assert None not in offs
+    assert put(a, b"z" * size) is None
+    assert a.statistics().refused == 1
+    assert a.statistics().pressure
+    for off in offs[:2]:
+        a.release_channel(off)
+    again = put(a, b"q" * size)
+    assert again == 0                             # the ring of bytes wrapped to the start
+    assert not a.statistics().pressure or a.statistics().used_bytes > 2048
+
+
+def test_a_slot_that_does_not_fit_before_the_end_wraps_to_the_start():
+    a, _ = arena(4096)
+    first = put(a, b"1" * (1500 - SLOT_HEADER_BYTES))       # 1536 bytes
+    second = put(a, b"2" * (1500 - SLOT_HEADER_BYTES))      # ends at 3072
+    a.release_channel(first)
+    a.release_channel(second)
+    third = put(a, b"3" * (1500 - SLOT_HEADER_BYTES))       # 1536 do not fit in the last 1024
+    assert third == 0
+    assert bytes(a.body(third, 3)) == b"333"
+    a.release_channel(third)
+    assert a.reclaim() > 0 and a.statistics().used_bytes == 0
+
+
+def test_a_dead_holder_counts_as_let_go():
+    a, live = arena()
+    off = put(a, b"m" * 50)
+    a.route(off, [Q1])
+    a.lend(off, 0, READER)
+    live.mark_dead(Q1)
+    assert a.held(off)                            # the reader's loan is out
+    live.mark_dead(READER)
+    assert not a.held(off)
+    assert a.reclaim() == slot_bytes(50)
+
+
+def test_more_queues_than_entries_go_by_copy_and_the_channel_keeps_its_word():
+    a, _ = arena()
+    off = put(a, b"f" * 10)
+    assert not a.route(off, list(range(100, 100 + QUEUE_ENTRIES + 1)))
+    assert a.held(off)
+    a.release_channel(off)
+    assert not a.held(off)
+
+
+def test_no_holder_id_or_a_body_over_half_the_arena_goes_inline():
+    a, _ = arena(4096)
+    assert a.alloc(10, 0) is None
+    assert a.alloc(a.max_body_bytes + 1, CHANNEL) is None
+    assert a.alloc(a.max_body_bytes, CHANNEL) == 0
+
+
+def test_the_header_is_the_layout_the_module_draws():
+    a, _ = arena(4096)
+    put(a, b"abc")
+    raw = a.mv[:HEADER_BYTES].cast("Q")
+    assert raw[1] == 4096 and raw[2] == slot_bytes(3) and raw[4] == 1
