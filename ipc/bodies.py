@@ -273,6 +273,28 @@ class Arena:
         """The reader is done with a loan: the delivery's bytes are in its socket, or copied aside."""
         self._words[(off >> 2) + _ENTRIES + 2 * entry + 1] = 0
 
+    def held_slots(self) -> tuple[int, int]:
+        """(slots, body bytes) still held by a live holder now: a walk from the oldest slot, read only, so
+        any process may take it (the header's ``used_bytes`` lags until the allocator reclaims)."""
+        hdr = self._hdr
+        cap = self.capacity_bytes
+        words = self._words
+        pos, head = hdr[_TAIL], hdr[_HEAD]
+        slots = body = 0
+        while pos < head:
+            off = pos % cap
+            size = words[off >> 2]
+            if size == WRAP_MARKER:
+                pos += cap - off
+                continue
+            if size < SLOT_HEADER_BYTES or size > cap:
+                break                       # the allocator is writing it: count what came before
+            if self.held(off):
+                slots += 1
+                body += words[(off >> 2) + _BODY_BYTES]
+            pos += size
+        return slots, body
+
     @property
     def pressure(self) -> bool:
         return bool(self._hdr[_PRESSURE])

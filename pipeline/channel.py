@@ -42,6 +42,7 @@ from pipeline.broker.args import QueueError, consumer_priority, parse_expiration
 from pipeline.broker.confirms import ACK, COMMIT_OK, NACK, Confirms
 from pipeline.broker.definitions import arguments_to_json
 from pipeline.broker.routing import RoutingTable
+from pipeline.broker import bodies
 from pipeline.stage import Stage, read_batch_for
 from pipeline.telemetry.schema import ChannelStats
 
@@ -279,6 +280,8 @@ class Channel(Stage):
         if self.from_reader is not None:
             self.send_grants(self.credit.ack(self.from_reader.link_id))
         if self.closing:
+            if record[1] & wire.PUB_BODY_REF:
+                self.by_copy(record)            # lets go of the body
             return
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
@@ -323,6 +326,9 @@ class Channel(Stage):
                 self.need_queue(name, ("publish", record, flags, seq, targets))    # comes back here once linked
                 return
         linked = [queues[name] for name in targets if name in queues]
+        if flags & wire.PUB_BODY_REF and (not linked or self.confirms.transactional):
+            record = self.by_copy(record)       # returned, dropped, or kept until a commit: no longer shared
+            flags &= ~wire.PUB_BODY_REF
         if not linked:
             self.unroutable_publish(flags, record)
         if self.confirms.transactional:
@@ -334,6 +340,14 @@ class Channel(Stage):
             self.send_publish(record, flags, linked)
 
     def send_publish(self, record, flags: int, linked) -> None:
+        if flags & wire.PUB_BODY_REF:
+            # hand the body to the queues' words in its slot (and let go of the channel's), or copy it
+            # out when a queue has no holder id or there are more queues than a slot has words
+            arena, at = bodies.arena_of(record)
+            holders = [q.out.peer_holder for q in linked]
+            if not all(holders) or not arena.route(at, holders):
+                record = self.by_copy(record)
+                flags &= ~wire.PUB_BODY_REF
         if flags != record[1]:
             record = bytearray(record)
             record[1] = flags
@@ -342,6 +356,12 @@ class Channel(Stage):
             q.out.put_message(record)
             self.credit.send(q.out.link_id, now)
         self.routed += 1
+
+    def by_copy(self, record) -> bytes:
+        """A publish by reference as one that carries its body; the channel lets go of the slot."""
+        record, arena, at, _ = bodies.copy_out(record, wire.PUB_BODY_REF)
+        arena.release_channel(at)
+        return record
 
     def unroutable_publish(self, flags: int, record) -> None:
         self.unroutable += 1

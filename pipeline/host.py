@@ -78,6 +78,12 @@ class StageView:
 def build_stage(kind: str, name: str, spec: dict, cfg, ctl, inbox: int, bell: int, extra: list[int],
                 tls_context=None):
     """The stage ``kind`` named ``name`` from its JSON ``spec`` and the broker's configuration."""
+    stage = _build(kind, name, spec, cfg, ctl, inbox, bell, extra, tls_context)
+    stage.holder = spec.get("holder", 0)
+    return stage
+
+
+def _build(kind: str, name: str, spec: dict, cfg, ctl, inbox: int, bell: int, extra: list[int], tls_context):
     if kind == "reader":
         from pipeline.reader import Reader
         conn = socket.socket(fileno=extra[0])

@@ -18,7 +18,11 @@ shell does the I/O those actions need:
   table and sent to their queues as a publisher would, spending credit (a
   slow target blocks this queue, and so its publishers) and held while a
   resource alarm holds publishers: dead-lettering cannot bypass flow control;
-* under memory pressure, records are paged out (``pipeline.broker.paging``).
+* under memory pressure, records are paged out (``pipeline.broker.paging``);
+* a body that came by reference (``pipeline.broker.bodies``) stays in its
+  arena, held by this queue's word in the slot (:class:`Held`), and goes to a
+  consumer's reader as a loan; it is copied out (and let go) for the journal,
+  a page, a dead letter or basic.get, and whenever its arena is over half full.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from pamqp import commands
 from ipc import control
 from pipeline import wire
 from pipeline.amqp import frames
-from pipeline.broker import props
+from pipeline.broker import bodies, props
 from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
 from pipeline.broker.backlog import (AskPermits, Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk,
                                      Message, Nack, ReturnPermits, dead_letter_cycles, record_death)
@@ -50,6 +54,7 @@ SYNC_INTERVAL_MS = 200
 JOURNAL_RETRY_NS = 1_000_000_000  # a full disk: try the held journal entries again this often
 DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's length word, give or take
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
+COPY_OUT_BATCH = 256               # bodies copied out of a pressed arena in one turn
 DELIVERY_WINDOW = 1000             # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
 TRIM_AFTER_FALL_FRACTION = 1 / 16    # trim each time the backlog has fallen by this much since the last trim,
@@ -70,6 +75,22 @@ def names_of(record) -> tuple[str, tuple[str]]:
     """A publish's exchange and routing keys as the text x-death records them."""
     exchange, routing_key = wire.content_route(record)
     return exchange.decode("utf-8", "surrogateescape"), (routing_key.decode("utf-8", "surrogateescape"),)
+
+
+class Held:
+    """A message payload whose body stays in an arena slot, held by this queue's ``entry`` there.
+
+    ``content`` is the record's content with a reference that names the entry: what a DELIVER lent to a
+    consumer's reader carries."""
+
+    __slots__ = ("record", "arena", "at", "entry", "content")
+
+    def __init__(self, record, arena, at: int, entry: int):
+        self.record, self.arena, self.at, self.entry = record, arena, at, entry
+        a, _, size, _ = bodies.decode_ref(record)
+        view = memoryview(record)
+        self.content = b"".join((view[wire.PUBLISH_CONTENT_OFFSET:len(record) - bodies.REF_BYTES],
+                                 bodies.encode_ref(a, at, size, entry)))
 
 
 class ConsumerInfo:
@@ -142,6 +163,10 @@ class Queue(Stage):
         self.dl_sent = 0
         self.dl_cycles = 0
         self.alarms: set[str] = set()
+        installed = bodies.installed()
+        self.arenas = installed.arenas if installed is not None else []
+        self.holding: dict[Held, Message] = {}   # messages whose body this queue holds in an arena, oldest first
+        self.copied_out = 0                      # bodies it copied out of an arena (journal, page, pressure)
         now = time.monotonic_ns()
         recovered = self.recover(store_dir) if self.journal is not None else []
         first_id = max([m.id + 1 for m in recovered] + [(incarnation << MSG_ID_INCARNATION_SHIFT) + 1])
@@ -228,8 +253,14 @@ class Queue(Stage):
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
-        body_size = wire.content_body_len(record)
         persistent = flags & wire.PUB_PERSISTENT
+        payload = record
+        if flags & wire.PUB_BODY_REF:
+            payload = self.hold(record)
+            if persistent and self.journal is not None or type(payload) is not Held:
+                payload = record = self.let_go(payload)     # journaled: from its own bytes
+                flags &= ~wire.PUB_BODY_REF
+        body_size = wire.content_body_len(record) if type(payload) is not Held else bodies.decode_ref(record)[2]
         expiration = None
         priority, raw_expiration = props.priority_expiration(wire.content_props(record))
         if raw_expiration is not None:
@@ -240,9 +271,11 @@ class Queue(Stage):
         exchange, routing_keys = "", ()
         if self.args.dead_letter_exchange is not None:        # x-death names where the message came from
             exchange, routing_keys = names_of(record)
-        msg = Message(record, body_size, persistent=bool(persistent), priority=priority, expiration_ms=expiration,
+        msg = Message(payload, body_size, persistent=bool(persistent), priority=priority, expiration_ms=expiration,
                       publisher=link.peer if flags & wire.PUB_CONFIRM else None, seq=seq,
                       exchange=exchange, routing_keys=routing_keys)
+        if type(payload) is Held:
+            self.holding[payload] = msg
         keep = persistent and self.journal is not None
         if keep:
             self.keep(msg, self.core.next_id, link.peer, seq, record, flags)
@@ -253,6 +286,32 @@ class Queue(Stage):
             if room is None:
                 room = self.batch_room = self.room()
         self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=room))
+
+    # -- bodies by reference ---------------------------------------------------------------
+    def hold(self, record):
+        """A publish by reference as this queue's ``Held`` payload; if this queue has no word in the slot
+        (never expected), the record itself, to be copied out."""
+        arena, at = bodies.arena_of(record)
+        entry = arena.entry_of(at, self.holder) if self.holder else -1
+        if entry < 0:
+            return record
+        return Held(record, arena, at, entry)
+
+    def let_go(self, payload) -> bytes:
+        """The payload as a record carrying its own body; this queue's word in the slot is cleared."""
+        record, _, _, _ = bodies.copy_out(payload.record if type(payload) is Held else payload, wire.PUB_BODY_REF)
+        if type(payload) is Held:
+            payload.arena.release(payload.at, payload.entry)
+            self.holding.pop(payload, None)
+            self.copied_out += 1
+        return record
+
+    def copy_out_held(self) -> None:
+        """An arena is over half full: copy the oldest bodies this queue holds out of it (they keep the
+        allocator from reusing what follows them), COPY_OUT_BATCH a turn."""
+        for held in list(itertools.islice(self.holding, COPY_OUT_BATCH)):
+            msg = self.holding[held]
+            msg.payload = self.let_go(held)
 
     def keep(self, msg: Message, msg_id: int, channel: str, seq: int, record, flags: int) -> None:
         """Journal a persistent message (its body to the store when big); its confirm waits for both."""
@@ -390,6 +449,8 @@ class Queue(Stage):
 
     def payload(self, msg: Message):
         record = msg.payload
+        if type(record) is Held:                  # a copy: the slot stays held, by this queue alone
+            return bodies.copy_out(record.record, wire.PUB_BODY_REF)[0]
         if type(record) is Paged:
             record = self.pages.read(record)
             self.paged_in += 1
@@ -399,10 +460,14 @@ class Queue(Stage):
     def deliver(self, action: Deliver) -> None:
         msg = action.message
         c = self.consumers[action.consumer]
-        record = self.payload(msg)
         flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
-        out = wire.encode_deliver(flags, c.channel, msg.id, c.ctag_bytes,
-                                  memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
+        held = msg.payload
+        if type(held) is Held and held.arena.lend(held.at, held.entry, c.link.peer_holder):
+            out = wire.encode_deliver(flags | wire.DLV_BODY_REF, c.channel, msg.id, c.ctag_bytes, held.content)
+        else:
+            record = self.payload(msg)
+            out = wire.encode_deliver(flags, c.channel, msg.id, c.ctag_bytes,
+                                      memoryview(record)[wire.PUBLISH_CONTENT_OFFSET:])
         if len(out) > self.record_bytes:
             self.batch_room = None          # counted for smaller records: read the rings' room afresh
         self.record_bytes = len(out)
@@ -421,8 +486,12 @@ class Queue(Stage):
             self.ended(msg)
 
     def ended(self, msg: Message) -> None:
-        """A message is gone for good: drop its journal entry, its store body, its page."""
-        if type(msg.payload) is Paged:
+        """A message is gone for good: drop its journal entry, its store body, its page, its arena word."""
+        if type(msg.payload) is Held:
+            msg.payload.arena.release(msg.payload.at, msg.payload.entry)
+            del self.holding[msg.payload]
+            msg.payload = None
+        elif type(msg.payload) is Paged:
             self.pages.release()
             msg.payload = None
         if msg.persistent and self.journal is not None:
@@ -521,6 +590,8 @@ class Queue(Stage):
             self.journal_policy(now_ns)
         if self.paging:
             self.page_out(now_ns)
+        if self.holding and any(a.pressure for a in self.arenas):
+            self.copy_out_held()
         if self.removes:
             if self.store_out is not None:
                 self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, self.removes))
@@ -619,6 +690,8 @@ class Queue(Stage):
                     break
                 if type(msg.payload) is Paged or msg.payload is None:
                     continue
+                if type(msg.payload) is Held:
+                    msg.payload = self.let_go(msg.payload)
                 msg.payload = self.pages.write(msg.payload)
                 quota -= 1
         self.page_sizes = (st.messages_ready, st.messages_unacknowledged)

@@ -11,11 +11,18 @@ Outbound, it writes what channels and queues send it: method replies,
 confirms, and deliveries, to which it assigns per-channel delivery tags. A
 client's ``basic.ack`` is turned back into (queue, message ids) and goes to
 the queue through the channel.
+
+Big bodies go by reference (``pipeline.broker.bodies``): a publish's body is
+copied once into this host's arena and the channel gets a reference; a
+delivery lent by reference is handed to the socket straight from the arena
+with a scatter-gather send, and the loan given back once the kernel has the
+bytes (or they were copied aside because the socket was full).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import selectors
 import socket
 import ssl
@@ -25,6 +32,7 @@ from ipc import control
 from ipc.tokens import Kind as TokenKind
 from pipeline import wire
 from pipeline.amqp import frames
+from pipeline.broker import bodies as _bodies
 from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed, CloseRequested,
                                       HandshakeTimeout, HeartbeatTimeout, Method, ProtocolError, Publish,
                                       ServerConnection)
@@ -34,7 +42,8 @@ from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 RECV_BYTES = 128 * 1024
-OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
+OUTBUF_HIGH_BYTES = 4 * 1024 * 1024      # stop draining deliveries above this much unsent
+IOV_MAX = 1024                       # pieces one sendmsg takes (Linux's UIO_MAXIOV)
 CLOSE_TIMEOUT_NS = 1_000_000_000
 LOGIN_REFUSED_DELAY_NS = 3_000_000_000   # RabbitMQ's SILENT_CLOSE_DELAY for clients it does not trust
 ALARM_SOURCES = {1: MEMORY, 2: DISK}
@@ -45,6 +54,72 @@ BASIC_NACK = (60, 120)
 BASIC_QOS = (60, 10)
 LIMITER_OPS = ("want", "give_back")      # from queues: permits of a channel's global limit
 CONFIRM_SELECT = (85, 10)
+
+
+class Unsent:
+    """What the socket has not taken yet: pieces in order (bytes, or views into body arenas), sent with
+    scatter-gather ``sendmsg``; and the loans to give back once the kernel has every piece before them."""
+
+    __slots__ = ("parts", "bytes", "loans", "added", "sent")
+
+    def __init__(self):
+        self.parts: collections.deque = collections.deque()
+        self.bytes = 0
+        self.loans: collections.deque = collections.deque()   # (pieces added by then, (arena, slot, entry))
+        self.added = 0                    # pieces ever added
+        self.sent = 0                     # pieces ever wholly sent
+
+    def add(self, parts) -> None:
+        self.parts.extend(parts)
+        self.added += len(parts)
+        self.bytes += sum(map(len, parts))
+
+    def lend(self, loan) -> None:
+        self.loans.append((self.added, loan))
+
+    def send(self, sock) -> int:
+        """As much as the socket takes now (bytes sent); BlockingIOError if it takes nothing."""
+        parts = self.parts
+        total = 0
+        try:
+            while parts:
+                chunk = list(itertools.islice(parts, IOV_MAX))
+                want = sum(map(len, chunk))
+                try:
+                    n = sock.sendmsg(chunk)
+                except BlockingIOError:
+                    if total:
+                        break
+                    raise
+                total += n
+                self.bytes -= n
+                left = n
+                for piece in chunk:
+                    size = len(piece)
+                    if left < size:
+                        parts[0] = memoryview(piece)[left:]
+                        break
+                    left -= size
+                    parts.popleft()
+                    self.sent += 1
+                if n < want:
+                    break                    # the socket is full
+        finally:
+            self.give_back_sent()
+        return total
+
+    def give_back_sent(self) -> None:
+        loans = self.loans
+        while loans and loans[0][0] <= self.sent:
+            arena, at, entry = loans.popleft()[1]
+            arena.give_back(at, entry)
+
+    def drop(self) -> None:
+        """The socket is gone: forget the pieces, give every loan back."""
+        self.parts.clear()
+        self.bytes = 0
+        self.sent = self.added
+        self.give_back_sent()
 
 
 class ChannelSlot:
@@ -94,7 +169,11 @@ class Reader(Stage):
         self.queue_links: dict[int, bytes] = {}     # in-link id -> queue name
         self.early: list = []                       # channels' records waiting for what queues sent first
         self.early_marks: dict[int, int] = {}       # queue in-link id -> its ring's commit position then
-        self.outbuf = bytearray()
+        self.outbuf = bytearray()           # TLS: bytes for the socket, joined
+        self.unsent = Unsent()              # plain TCP: pieces for the socket, views into arenas among them
+        self.bodies = _bodies.installed()
+        self.arena = self.bodies.allocator() if self.bodies is not None else None
+        self.loans: list = []                # (arena, slot, entry) of deliveries lent by reference, not yet sent
         self.interest = 0
         self.eof = False
         self.closing_since_ns: int | None = None
@@ -122,7 +201,7 @@ class Reader(Stage):
         else:
             if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
                 want |= selectors.EVENT_READ
-            if self.outbuf:
+            if self.outbuf or self.unsent.bytes:
                 want |= selectors.EVENT_WRITE
         if want == self.interest:
             return
@@ -181,7 +260,32 @@ class Reader(Stage):
         self.handshaking = False
 
     def write_out(self) -> None:
-        data = self.conn.data_to_send()
+        if self.tls or self.handshaking:
+            self.write_tls()
+            return
+        parts = self.conn.parts_to_send()
+        unsent = self.unsent
+        if parts:
+            unsent.add(parts)
+            for loan in self.loans:             # given back once the kernel has all of these pieces
+                unsent.lend(loan)
+            self.loans.clear()
+        if unsent.bytes:
+            try:
+                self.send_oct += unsent.send(self.sock)
+                self.conn.note_sent(time.monotonic_ns())
+            except BlockingIOError:
+                pass
+            except OSError:                     # the peer is gone (EPIPE, ECONNRESET...)
+                unsent.drop()
+                self.eof = True
+                self.finish()
+
+    def write_tls(self) -> None:
+        data = self.conn.data_to_send()        # joined: TLS encrypts a copy anyway
+        for arena, at, entry in self.loans:
+            arena.give_back(at, entry)
+        self.loans.clear()
         if data:
             self.outbuf += data
         if self.outbuf:
@@ -203,7 +307,7 @@ class Reader(Stage):
                 self.finish()
 
     def can_read_more(self) -> bool:
-        return len(self.outbuf) < OUTBUF_HIGH_BYTES
+        return len(self.outbuf) + self.unsent.bytes < OUTBUF_HIGH_BYTES
 
     def poll_links(self, now_ns: int) -> int:
         """Queues answer some methods straight to the reader (consume-ok, get-ok) and then tell the
@@ -265,7 +369,7 @@ class Reader(Stage):
             return
         self.write_out()
         if self.closing_since_ns is not None and (
-                not self.outbuf and self.conn.state == "closed"
+                not self.outbuf and not self.unsent.bytes and self.conn.state == "closed"
                 or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS or self.eof):
             self.running = False
         self._set_interest()
@@ -302,8 +406,16 @@ class Reader(Stage):
         flags = ((wire.PUB_MANDATORY if ev.mandatory else 0)
                  | (wire.PUB_PERSISTENT if ev.delivery_mode == 2 else 0)
                  | (wire.PUB_CONFIRM if slot.confirm else 0))
+        body = ev.body
+        size = len(body)
+        if size >= _bodies.REF_MIN_BODY_BYTES and self.arena is not None:
+            at = self.arena.alloc(size, slot.out.peer_holder)     # held for the channel until it routes
+            if at is not None:
+                self.arena.body(at, size)[:] = body
+                body = _bodies.encode_ref(self.bodies.own, at, size)
+                flags |= wire.PUB_BODY_REF
         slot.out.put_message(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
-                                         ev.body))
+                                                 body))
         self.publishes += 1
         if self.last_publish_ns < self.resumed_ns:
             self.first_publish_after_resume_ns = now_ns
@@ -457,6 +569,9 @@ class Reader(Stage):
         flags, channel, msg_id, ctag, off = wire.decode_deliver(record)
         slot = self.channels.get(channel)
         if slot is None:
+            if flags & wire.DLV_BODY_REF:
+                a, at, _, entry = _bodies.decode_ref(record)
+                self.bodies.arenas[a].give_back(at, entry)
             return
         tag = slot.next_tag
         slot.next_tag += 1
@@ -465,8 +580,20 @@ class Reader(Stage):
             if slot.limit is not None:
                 slot.limit.used(link.link_id)
         names, props, body = wire.content_named_views(record, off)
-        self.conn.send_frames(*frames.encode_deliver_names(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
-                                                           names, props, body, self.conn.frame_max))
+        if flags & wire.DLV_BODY_REF:
+            a, at, size, entry = _bodies.decode_ref(body)
+            arena = self.bodies.arenas[a]
+            loan = (arena, at, entry)
+            if self.conn.send_parts(*frames.deliver_parts(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
+                                                          names, props,
+                                                          arena.body(at, size), self.conn.frame_max)):
+                self.loans.append(loan)
+            else:
+                arena.give_back(at, entry)
+        else:
+            self.conn.send_frames(*frames.encode_deliver_names(channel, ctag, tag,
+                                                               bool(flags & wire.DLV_REDELIVERED), names, props,
+                                                               body, self.conn.frame_max))
         self.deliveries += 1
 
     def on_get_ok(self, link, record) -> None:
@@ -628,6 +755,10 @@ class Reader(Stage):
             self.write_out()
         except OSError:
             pass
+        for arena, at, entry in self.loans:
+            arena.give_back(at, entry)
+        self.loans.clear()
+        self.unsent.drop()
         super().shutdown()
         try:
             self.sock.close()

@@ -97,13 +97,14 @@ class OutLink:
     (this process's memory, like a growing Erlang mailbox) until the receiver
     frees space."""
 
-    __slots__ = ("link_id", "peer", "segment", "ring", "doorbell", "inbox", "flow",
+    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "doorbell", "inbox", "flow",
                  "overflow", "staged", "records", "messages", "fragment_bytes")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
                  peer_doorbell_fd: int, flow: bool):
         self.link_id = link_id
         self.peer = peer
+        self.peer_holder = 0
         self.segment, self.ring = shm.attach_ring(ring_name)
         self.inbox = tokens.TokenWriter(peer_inbox_fd)
         self.doorbell = Doorbell(peer_doorbell_fd)
@@ -191,11 +192,12 @@ class OutLink:
 class InLink:
     """Receiving end of one ring; answers the sender on its inbox pipe."""
 
-    __slots__ = ("link_id", "peer", "segment", "ring", "inbox", "flow", "received", "pieces", "more")
+    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "inbox", "flow", "received", "pieces", "more")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int, flow: bool):
         self.link_id = link_id
         self.peer = peer
+        self.peer_holder = 0
         self.segment, self.ring = shm.attach_ring(ring_name)
         self.inbox = tokens.TokenWriter(peer_inbox_fd)
         self.flow = flow
@@ -295,6 +297,7 @@ class Stage:
         self.quiet_turns = 0
         self.disk_written = 0        # bytes written to disk since the watchdog was last nudged
         self.trims = 0
+        self.holder = 0              # this stage's id in body arenas (pipeline.broker.bodies); 0: none
 
     # -- hooks for subclasses ------------------------------------------------
     def on_record(self, link: InLink, record) -> None:
@@ -346,6 +349,7 @@ class Stage:
                 except OSError:
                     pass
             return
+        link.peer_holder = msg.get("peer_holder", 0)       # its id in body arenas (pipeline.broker.bodies)
         if spec:
             self.credit.set_peer_spec(link.link_id, CreditSpec(*spec))
         self.on_link_attached(link)

@@ -51,7 +51,7 @@ from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
 from pipeline import channel as _channel, queue as _queue, reader as _reader, store as _store  # noqa: F401
 from pipeline import telemetry
-from pipeline.broker import lifecycle, names
+from pipeline.broker import bodies as _bodies, lifecycle, names
 from pipeline.broker.ctl_server import CtlServer
 from pipeline.broker.args import QueueError
 from pipeline.amqp.errors import AmqpError
@@ -127,6 +127,7 @@ class BrokerConfig:
     # hosts per kind for readers, channels and queues (pipeline.host); 0: a process of its own for each
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
     management_port: int | None = None     # the management API and /metrics on 127.0.0.1 (0: any free port)
+    arena_mb: int = _bodies.ARENA_MB       # each reader host's arena for bodies by reference; 0: bodies by copy
 
 
 @dataclass(eq=False)                # one Proc per process incarnation: compared and hashed by identity
@@ -151,6 +152,8 @@ class Proc:
     exit_code: int | None = None    # for hosted stages: how it ended, as its host reported
     exit_how: str | None = None
     reaped: bool = False            # its end is being handled
+    holder: int = 0                 # for stages: its id in body arenas (pipeline.broker.bodies), 0: none
+    arena: int | None = None        # for reader hosts: the arena it allocates bodies in
 
 
 @dataclass
@@ -238,6 +241,12 @@ class Supervisor:
         removed = shm.cleanup_stale()
         self.run_id = shm.new_run_id()
         self.owner = shm.SegmentOwner(self.run_id)
+        # made before any fork, so every stage process maps them (pipeline.broker.bodies)
+        self.bodies = None
+        if cfg.arena_mb and cfg.pool:
+            self.bodies = _bodies.Bodies.create(self.owner, cfg.pool + 1, cfg.arena_mb * 1024 * 1024)
+        _bodies.install(self.bodies)
+        self.next_holder = 1
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.links: dict[int, LinkRec] = {}
@@ -371,6 +380,12 @@ class Supervisor:
     def start_stage(self, name: str, kind: str, spec: dict, extra_fds: tuple[int, ...] = (), **info) -> Proc | None:
         """A reader, channel or queue: in the host of its kind that runs the fewest (``cfg.pool``), or
         with ``pool`` 0 in a process of its own. ``spec`` is JSON (``pipeline.host.build_stage``)."""
+        holder = 0
+        if self.bodies is not None and self.next_holder < _bodies.LIVENESS_IDS:
+            holder = self.next_holder
+            self.next_holder += 1
+        spec = {**spec, "holder": holder}
+        info["holder"] = holder
         if not self.cfg.pool:
             def factory(ctl, inbox, bell):
                 return build_stage(kind, name, spec, self.cfg, ctl, inbox, bell, list(extra_fds), self.tls)
@@ -417,9 +432,15 @@ class Supervisor:
         cfg = self.cfg
         interval = None if cfg.telemetry else UNTRACED_STATS_INTERVAL_MS * 1_000_000
 
+        arena = None
+        if kind == "reader" and self.bodies is not None:     # one allocator per arena, ever at once
+            taken = {p.arena for p in self.procs.values() if p.kind == "host"}
+            arena = next((i for i in range(len(self.bodies.arenas)) if i not in taken), None)
+
         def factory(ctl, inbox, bell):
+            _bodies.claim(arena)
             return Host(name, ctl, cfg, stats_interval_ns=interval, tls_context=self.tls)
-        host = self.spawn(name, "host", factory, number=HOSTED_KINDS.index(kind))
+        host = self.spawn(name, "host", factory, number=HOSTED_KINDS.index(kind), arena=arena)
         if host is not None:
             self.log("info", [f"started {name} (pid {host.pid}) to run {kind}s"])
         return host
@@ -442,8 +463,9 @@ class Supervisor:
         r.links.add(link_id)
         spec_list = [spec.initial, spec.more_after] if spec is not None else None
         base = {"type": "attach", "link": link_id, "ring": seg.name, "flow": flow, "spec": spec_list}
-        self.tell(s, {**base, "role": "out", "peer": receiver}, [r.inbox_w, r.doorbell.fileno()])
-        self.tell(r, {**base, "role": "in", "peer": sender}, [s.inbox_w])
+        self.tell(s, {**base, "role": "out", "peer": receiver, "peer_holder": r.holder},
+                  [r.inbox_w, r.doorbell.fileno()])
+        self.tell(r, {**base, "role": "in", "peer": sender, "peer_holder": s.holder}, [s.inbox_w])
         return link_id
 
     def link_between(self, sender: str, receiver: str) -> int | None:
@@ -1249,7 +1271,16 @@ class Supervisor:
                 "processors": os.cpu_count(),
                 "proc": {"used": 1 + len({p.pid for p in self.procs.values()}), "limit": _nproc_limit()},
                 "routing": dataclasses.asdict(self.defs.routing.statistics()),
-                "retired": self.retired, "fsync_histogram": self.fsync_histogram.snapshot()}
+                "retired": self.retired, "fsync_histogram": self.fsync_histogram.snapshot(),
+                "arenas": self.arena_status()}
+
+    def arena_status(self) -> list[dict]:
+        """Each body arena's header, and the slots live holders still hold (a read-only walk)."""
+        out = []
+        for arena in self.bodies.arenas if self.bodies is not None else ():
+            slots, body = arena.held_slots()
+            out.append({**dataclasses.asdict(arena.statistics()), "held_slots": slots, "held_body_bytes": body})
+        return out
 
     def record_state(self, change) -> None:
         if change is not None and self.cfg.telemetry:
@@ -1333,6 +1364,8 @@ class Supervisor:
 
     def close_proc(self, proc: Proc) -> None:
         """Take what it said last (a log line, final statistics), then close its endpoints here."""
+        if proc.holder and self.bodies is not None:
+            self.bodies.liveness.mark_dead(proc.holder)      # whatever it still held in arenas comes free
         self.on_proc_msg(proc, limit=100_000)
         self.record_state(self.clock.end(proc.name, time.monotonic_ns()))
         st = self.stats.get(proc.name)

@@ -16,7 +16,8 @@ Layouts::
 
     PUBLISH  reader -> channel -> queue
              u8 kind | u8 flags | u64 seq | content
-             flags: 1 mandatory, 2 persistent, 4 confirm (channel in confirm mode)
+             flags: 1 mandatory, 2 persistent, 4 confirm (channel in confirm mode), 8 body by reference:
+             the content's body is a ``pipeline.broker.bodies`` reference into an arena
     METHOD   reader -> channel: u8 kind | AMQP method payload (class id onward)
     ACK      reader -> channel -> queue
              u8 kind | u8 flags | u8 qlen | queue | u64 msg_id * n
@@ -26,7 +27,7 @@ Layouts::
     CONFIRM  queue -> channel: u8 kind | u64 seq * n
     DELIVER  queue -> reader
              u8 kind | u8 flags | u16 channel | u64 msg_id | u8 ctaglen | ctag | content
-             flags: 1 redelivered, 2 no_ack
+             flags: 1 redelivered, 2 no_ack, 4 body by reference (lent to this reader: give it back once sent)
     GET_OK   queue -> reader: as DELIVER, with u32 message_count after msg_id
     WRITE    queue -> store: u8 kind | 16-byte message id | body
     REMOVE   queue -> store: u8 kind | 16-byte message id * n
@@ -66,9 +67,11 @@ class WireError(ValueError):
 PUB_MANDATORY = 1
 PUB_PERSISTENT = 2
 PUB_CONFIRM = 4
+PUB_BODY_REF = 8
 
 DLV_REDELIVERED = 1
 DLV_NO_ACK = 2
+DLV_BODY_REF = 4
 
 ACK_REJECT = 1
 ACK_REQUEUE = 2

@@ -127,3 +127,14 @@ def test_the_header_is_the_layout_the_module_draws():
     put(a, b"abc")
     raw = a.mv[:HEADER_BYTES].cast("Q")
     assert raw[1] == 4096 and raw[2] == slot_bytes(3) and raw[4] == 1
+
+
+def test_held_slots_walks_what_live_holders_still_hold():
+    a, live = arena()
+    first, second = put(a, b"a" * 100), put(a, b"b" * 200)
+    assert a.held_slots() == (2, 300)
+    a.release_channel(first)
+    assert a.held_slots() == (1, 200)
+    live.mark_dead(CHANNEL)
+    assert a.held_slots() == (0, 0)
+    assert a.statistics().used_bytes == slot_bytes(100) + slot_bytes(200)     # until the allocator reclaims

@@ -397,6 +397,15 @@ class ServerConnection:
         self.bytes_out += len(data)
         return data
 
+    def parts_to_send(self) -> list:
+        """``data_to_send`` unjoined: the pieces in order (bytes, or views a scatter-gather send takes)."""
+        out = self._out
+        if not out:
+            return out
+        self._out = []
+        self.bytes_out += sum(map(len, out))
+        return out
+
     def buffered_bytes(self) -> int:
         """Received bytes not parsed yet."""
         return len(self._buf) - self._pos + self._chunk_bytes
@@ -913,6 +922,14 @@ class ServerConnection:
         if self.state == "open" or self.state == "client_closing":
             self._out.append(data)
             self.frames_out += frames_in_it
+
+    def send_parts(self, parts: list, frames_in_them: int) -> bool:
+        """``send_frames`` for frames in pieces (``frames.deliver_parts``); False if they were dropped."""
+        if self.state == "open" or self.state == "client_closing":
+            self._out += parts
+            self.frames_out += frames_in_them
+            return True
+        return False
 
     def send_deliver(self, channel: int, consumer_tag: str, delivery_tag: int, redelivered: bool, exchange: str,
                      routing_key: str, props_raw: bytes, body: bytes) -> None:

@@ -396,21 +396,26 @@ def encode_deliver_names(channel: int, consumer_tag, delivery_tag: int, redelive
                          frame_max: int) -> tuple[bytes, int]:
     """``encode_deliver`` for a message whose exchange and routing key are at hand already as the two
     shortstrs a publish carried (``names``, passed on as they are), and how many frames it made."""
+    parts, count = deliver_parts(channel, consumer_tag, delivery_tag, redelivered, names, props_raw, body, frame_max)
+    return b"".join(parts), count
+
+
+def deliver_parts(channel: int, consumer_tag, delivery_tag: int, redelivered: bool, names, props_raw, body,
+                  frame_max: int) -> tuple[list, int]:
+    """The pieces of ``encode_deliver_names``'s bytes, the body (a view, or its slices) among them uncopied,
+    for a scatter-gather send; and how many frames they make."""
     ct = _sstr(consumer_tag)
     size = len(body)
     chunk = frame_max - FRAME_OVERHEAD_BYTES if frame_max else size
+    head = [_DELIVER_HEAD.pack(1, channel, 13 + len(ct) + len(names), 60, 60), ct,
+            _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0), names, _END]
     if chunk >= size:
-        parts = [_DELIVER_HEAD.pack(1, channel, 13 + len(ct) + len(names), 60, 60), ct,
-                 _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0), names, _END,
-                 HEADER_FRAME_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, size), props_raw, _END]
+        head += (HEADER_FRAME_HEAD.pack(2, channel, 12 + len(props_raw), 60, 0, size), props_raw, _END)
         if size:
-            parts += (FRAME_HEAD.pack(3, channel, size), body, _END)
-            return b"".join(parts), 3
-        return b"".join(parts), 2
-    parts = [_DELIVER_HEAD.pack(1, channel, 13 + len(ct) + len(names), 60, 60), ct,
-             _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0), names, _END]
-    parts += _content_parts(channel, props_raw, body, frame_max)
-    return b"".join(parts), 2 + -(-size // chunk)
+            head += (FRAME_HEAD.pack(3, channel, size), body, _END)
+            return head, 3
+        return head, 2
+    return head + _content_parts(channel, props_raw, body, frame_max), 2 + -(-size // chunk)
 
 
 def encode_get_ok(channel: int, delivery_tag: int, redelivered: bool, exchange, routing_key, message_count: int,

@@ -1,0 +1,96 @@
+"""Message bodies by reference inside the broker: the arenas every process maps, and the refs records carry.
+
+The supervisor makes one arena per reader host it may run (``ipc.bodies``)
+and the liveness table, before it forks anything, and installs them here; every
+stage process inherits the mappings. A reader host claims one arena and is the
+only allocator in it. A publish whose body is at least ``REF_MIN_BODY_BYTES``
+(and that finds room) travels as a PUBLISH record with ``wire.PUB_BODY_REF``
+set and a ``REF_BYTES`` reference where its body would be; a delivery from it
+carries ``wire.DLV_BODY_REF`` and the queue's entry in the slot. Everywhere else
+(returns, dead letters, the journal, the store, pages, basic.get) the body is
+copied out first with ``inline``: by reference is the hot path, never a second
+format to get right everywhere.
+
+Holder ids are the supervisor's: one per stage, never reused in a run, marked
+in the liveness table when the stage ends. Id 0 means none: bodies go by copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ipc.bodies import LIVENESS_IDS, REF, REF_BYTES, Arena, ArenaStatistics, Liveness, arena_bytes, liveness_bytes
+
+REF_MIN_BODY_BYTES = 2048          # below this a copy costs less than the slot's bookkeeping
+ARENA_MB = 64                      # per reader host: a consumer's unacked window of big bodies fits
+
+
+@dataclass
+class Bodies:
+    arenas: list[Arena]
+    liveness: Liveness
+    own: int | None = None        # the arena this process allocates in (a reader host's), None: none
+    segments: tuple = ()
+
+    @classmethod
+    def create(cls, owner, count: int, capacity_bytes: int) -> Bodies:
+        """The supervisor's: the liveness table and ``count`` arenas, each a segment of its own."""
+        segments = [owner.create("live", liveness_bytes())]
+        liveness = Liveness(segments[0].buf)
+        made = []
+        for i in range(count):
+            seg = owner.create(f"b{i}", arena_bytes(capacity_bytes))
+            segments.append(seg)
+            made.append(Arena(seg.buf, liveness, create=True))
+        return cls(made, liveness, None, tuple(segments))
+
+    def allocator(self) -> Arena | None:
+        return self.arenas[self.own] if self.own is not None else None
+
+    def statistics(self) -> list[ArenaStatistics]:
+        return [a.statistics() for a in self.arenas]
+
+
+_installed: Bodies | None = None
+
+
+def install(bodies: Bodies | None) -> None:
+    """Set in the supervisor before any fork (and in tests); a forked stage finds it with ``installed``."""
+    global _installed
+    _installed = bodies
+
+
+def installed() -> Bodies | None:
+    return _installed
+
+
+def claim(index: int | None) -> None:
+    """In a freshly forked reader host: allocate in arena ``index`` from now on."""
+    if _installed is not None:
+        _installed.own = index
+
+
+def encode_ref(arena: int, off: int, size: int, entry: int = 0) -> bytes:
+    return REF.pack(arena, off, size, entry)
+
+
+def decode_ref(view) -> tuple[int, int, int, int]:
+    """(arena, offset, body bytes, entry) of a reference (the last REF_BYTES of a record)."""
+    return REF.unpack_from(view, len(view) - REF_BYTES)
+
+
+def copy_out(record, flag: int) -> tuple[bytes, Arena, int, int]:
+    """A record (PUBLISH, or DELIVER: flags in its second byte) whose content ends in a reference, as the
+    same record carrying its body instead, ``flag`` cleared; and where the body was: (record, arena, slot
+    offset, entry). The caller lets go of its own word in the slot afterwards."""
+    a, at, size, entry = decode_ref(record)
+    arena = _installed.arenas[a]
+    view = memoryview(record)
+    return b"".join((view[:1], bytes((record[1] & ~flag,)), view[2:len(record) - REF_BYTES],
+                     arena.body(at, size))), arena, at, entry
+
+
+def arena_of(record) -> tuple[Arena, int]:
+    """(arena, slot offset) of the body a record refers to."""
+    a, at, _, _ = decode_ref(record)
+    return _installed.arenas[a], at
