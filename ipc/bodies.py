@@ -38,6 +38,12 @@ first reuse behind it; allocation then fails and the reader sends the body
 inline, as before. While over half the arena is in use the allocator sets
 ``pressure``, and queues copy the bodies they hold out of the arena.
 
+Freed space goes back to the OS: once PUNCH_MIN_BYTES have come free behind
+the last punch, the allocator hands their whole pages back (``punch``, an
+``madvise(MADV_REMOVE)`` on the shared-memory file), so the arena's memory,
+which the memory alarm counts, follows the bodies still held instead of the
+most it ever held.
+
 Byte layout
 -----------
 Integers are native little-endian words (``ipc.ring`` checks the byte order).
@@ -78,6 +84,8 @@ QUEUE_ENTRIES = 6
 WRAP_MARKER = 0xFFFFFFFF
 MIN_CAPACITY_BYTES = 4 * SLOT_ALIGN_BYTES
 LIVENESS_IDS = 1 << 23                    # holder ids 1 .. LIVENESS_IDS - 1; the table is 1 MiB
+PUNCH_MIN_BYTES = 1024 * 1024             # hand freed pages back in runs of at least this much
+PAGE_BYTES = 4096
 
 # header word indices (u64)
 _MAGIC, _CAP, _HEAD, _TAIL, _ALLOCATED, _REFUSED, _PRESSURE = range(7)
@@ -130,9 +138,11 @@ class Arena:
     ``statistics``.
     """
 
-    __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness")
+    __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness", "punch",
+                 "_punched_to")
 
-    def __init__(self, buf, liveness: Liveness, *, create: bool):
+    def __init__(self, buf, liveness: Liveness, *, create: bool, punch=None):
+        """``punch(start, length)``: give the pages of that byte range of ``buf`` back (None: keep them)."""
         mv = memoryview(buf).cast("B")
         cap = (len(mv) - HEADER_BYTES) & -SLOT_ALIGN_BYTES
         if cap < MIN_CAPACITY_BYTES:
@@ -150,6 +160,8 @@ class Arena:
             hdr[_MAGIC] = ARENA_MAGIC
         elif hdr[_MAGIC] != ARENA_MAGIC or hdr[_CAP] != cap:
             raise CorruptRecord(f"buffer holds no arena of {cap} bytes (magic {hdr[_MAGIC]:#x})")
+        self.punch = punch
+        self._punched_to = hdr[_TAIL]         # allocator-local: freed space before this went back
 
     # -- the allocator ----------------------------------------------------------------------
     def alloc(self, body_bytes: int, channel: int) -> int | None:
@@ -202,8 +214,23 @@ class Arena:
             tail += size
         if tail != start:
             hdr[_TAIL] = tail
+            if self.punch is not None and tail - self._punched_to >= PUNCH_MIN_BYTES:
+                self.give_pages_back(self._punched_to, tail)
         hdr[_PRESSURE] = 1 if head - tail > cap // 2 else 0
         return tail - start
+
+    def give_pages_back(self, start: int, end: int) -> None:
+        """Punch the whole pages of freed positions [start, end) (at most one wrap of the data area)."""
+        cap = self.capacity_bytes
+        self._punched_to = end
+        if end - start >= cap:
+            start = end - cap
+        a, b = start % cap, end % cap
+        for lo, hi in ((a, b),) if a < b else ((a, cap), (0, b)):
+            lo = (HEADER_BYTES + lo + PAGE_BYTES - 1) & -PAGE_BYTES       # offsets in the segment,
+            hi = (HEADER_BYTES + hi) & -PAGE_BYTES                        # pages wholly inside the range
+            if hi > lo:
+                self.punch(lo, hi - lo)
 
     def held(self, off: int) -> bool:
         """Whether anyone alive still holds the slot at ``off`` (read in the order words are cleared)."""
@@ -294,6 +321,11 @@ class Arena:
                 body += words[(off >> 2) + _BODY_BYTES]
             pos += size
         return slots, body
+
+    @property
+    def in_use(self) -> bool:
+        """Whether any slot is not yet freed (held, or let go and not reclaimed yet)."""
+        return self._hdr[_HEAD] != self._hdr[_TAIL]
 
     @property
     def pressure(self) -> bool:

@@ -283,6 +283,16 @@ class Channel(Stage):
             if record[1] & wire.PUB_BODY_REF:
                 self.by_copy(record)            # lets go of the body
             return
+        try:
+            record, flags, seq, targets = self.route(record)
+        except BaseException:
+            if record[1] & wire.PUB_BODY_REF:   # refused before routing: nobody else holds it yet
+                self.by_copy(record)
+            raise
+        self.route_publish(record, flags, seq, targets)
+
+    def route(self, record) -> tuple:
+        """Check one publish and find its queues: (record, flags, seq, target queue names)."""
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
@@ -305,7 +315,7 @@ class Channel(Stage):
             raise from_amqp(exc) from None
         if self.confirms.transactional:
             flags |= wire.PUB_CONFIRM              # the commit waits for the queues to have it
-        self.route_publish(record, flags, seq, targets)
+        return record, flags, seq, targets
 
     def direct_reply_to(self, record, flags: int, seq: int):
         """A request whose reply_to is amq.rabbitmq.reply-to: give it this channel's reply queue's name."""

@@ -120,6 +120,14 @@ def max_message_arg(text: str) -> int:
     return value
 
 
+def arena_mb_arg(text: str) -> int:
+    from pipeline.broker.bodies import MAX_ARENA_MB
+    value = nonneg_int(text)
+    if value > MAX_ARENA_MB:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_ARENA_MB}, got {value}")
+    return value
+
+
 def user_arg(text: str) -> tuple[str, str]:
     name, sep, password = text.partition(":")
     if not sep or not name:
@@ -240,6 +248,9 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                    help="RabbitMQ's management API subset and Prometheus /metrics on 127.0.0.1:PORT (HTTP basic "
                         "auth with the broker's users; 0: any free port; off: none). Default: serve 15672 (any "
                         "free port with --port 0), run off")
+    g.add_argument("--arena-mb", type=arena_mb_arg, default=None, metavar="MIB",
+                   help="each reader host's arena for message bodies by reference (default 64; 0: every body "
+                        "by copy); smaller when /dev/shm has less than twice what they need free")
     g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
                         "512 MiB); one bigger than a ring slot crosses it in pieces")
@@ -262,7 +273,8 @@ def broker_config(args, data_dir: str, port: int):
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
         paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on", management_port=management_port(args),
-        **({} if args.pool is None else {"pool": args.pool}))
+        **({} if args.pool is None else {"pool": args.pool}),
+        **({} if args.arena_mb is None else {"arena_mb": args.arena_mb}))
 
 
 def build_parser() -> Parser:

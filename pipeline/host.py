@@ -39,9 +39,11 @@ import traceback
 from ipc import control
 from ipc.credit import CreditSpec
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
+from pipeline.broker import bodies
 from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, Stage
 
 EXIT_STAGE_CRASHED = 70
+ARENA_RECLAIM_S = 0.1              # how often an idle reader host frees its arena's let-go slots
 KILLED = -9
 
 
@@ -125,6 +127,8 @@ class Host:
         self.seq = 0
         self.hand_on_until: dict[str, int] = {}    # stopped stages still handing on their overflow
         self.stopping = False
+        installed = bodies.installed()
+        self.arena = installed.allocator() if installed is not None else None   # a reader host's own
         Stage.selector_for = self.view_for
 
     def view_for(self, stage) -> StageView:
@@ -186,6 +190,7 @@ class Host:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
         select = self.selector.select
+        arena = self.arena
         while not (self.stopping and not self.stages):
             now = time.monotonic_ns()
             if self.ready:
@@ -194,6 +199,12 @@ class Host:
                 timeout = max(0.0, (self.timers[0][0] - now) / 1e9)
             else:
                 timeout = None
+            if arena is not None and arena.in_use:
+                # the allocator frees what holders let go of (and gives the pages back), also while
+                # its own connections are idle or gone
+                arena.reclaim()
+                if arena.in_use and (timeout is None or timeout > ARENA_RECLAIM_S):
+                    timeout = ARENA_RECLAIM_S
             for key, _ in select(timeout):
                 stage, tag = key.data
                 if stage is None:

@@ -55,6 +55,8 @@ JOURNAL_RETRY_NS = 1_000_000_000  # a full disk: try the held journal entries ag
 DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's length word, give or take
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
 COPY_OUT_BATCH = 256               # bodies copied out of a pressed arena in one turn
+COPY_OUT_SCAN = 4 * COPY_OUT_BATCH  # of the oldest held bodies looked at for it
+LEND_IN_FLIGHT = 128               # deliveries in a reader's ring beyond which bodies go to it by copy
 DELIVERY_WINDOW = 1000             # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
 TRIM_AFTER_FALL_FRACTION = 1 / 16    # trim each time the backlog has fallen by this much since the last trim,
@@ -257,7 +259,7 @@ class Queue(Stage):
         payload = record
         if flags & wire.PUB_BODY_REF:
             payload = self.hold(record)
-            if persistent and self.journal is not None or type(payload) is not Held:
+            if persistent and self.journal is not None:
                 payload = record = self.let_go(payload)     # journaled: from its own bytes
                 flags &= ~wire.PUB_BODY_REF
         body_size = wire.content_body_len(record) if type(payload) is not Held else bodies.decode_ref(record)[2]
@@ -288,13 +290,12 @@ class Queue(Stage):
         self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=room))
 
     # -- bodies by reference ---------------------------------------------------------------
-    def hold(self, record):
-        """A publish by reference as this queue's ``Held`` payload; if this queue has no word in the slot
-        (never expected), the record itself, to be copied out."""
+    def hold(self, record) -> Held:
+        """A publish by reference as this queue's ``Held`` payload."""
         arena, at = bodies.arena_of(record)
         entry = arena.entry_of(at, self.holder) if self.holder else -1
-        if entry < 0:
-            return record
+        if entry < 0:           # its bytes may be another message's by now: never read them
+            raise bodies.NotHolder(f"{self.name} got a body by reference at {at} with no word of its own")
         return Held(record, arena, at, entry)
 
     def let_go(self, payload) -> bytes:
@@ -307,9 +308,10 @@ class Queue(Stage):
         return record
 
     def copy_out_held(self) -> None:
-        """An arena is over half full: copy the oldest bodies this queue holds out of it (they keep the
-        allocator from reusing what follows them), COPY_OUT_BATCH a turn."""
-        for held in list(itertools.islice(self.holding, COPY_OUT_BATCH)):
+        """An arena is over half full: copy the oldest bodies this queue holds in it out (they keep its
+        allocator from reusing what follows them), at most COPY_OUT_BATCH a turn."""
+        pressed = [held for held in itertools.islice(self.holding, COPY_OUT_SCAN) if held.arena.pressure]
+        for held in pressed[:COPY_OUT_BATCH]:
             msg = self.holding[held]
             msg.payload = self.let_go(held)
 
@@ -462,7 +464,10 @@ class Queue(Stage):
         c = self.consumers[action.consumer]
         flags = (wire.DLV_REDELIVERED if action.redelivered else 0) | (wire.DLV_NO_ACK if action.no_ack else 0)
         held = msg.payload
-        if type(held) is Held and held.arena.lend(held.at, held.entry, c.link.peer_holder):
+        # lent only while its arena has room and the reader keeps up: a loan that sits in a stalled
+        # reader's ring or socket would keep the allocator from reusing everything after it
+        if (type(held) is Held and not held.arena.pressure and c.link.ring.in_flight() < LEND_IN_FLIGHT
+                and held.arena.lend(held.at, held.entry, c.link.peer_holder)):
             out = wire.encode_deliver(flags | wire.DLV_BODY_REF, c.channel, msg.id, c.ctag_bytes, held.content)
         else:
             record = self.payload(msg)

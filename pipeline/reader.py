@@ -114,6 +114,13 @@ class Unsent:
             arena, at, entry = loans.popleft()[1]
             arena.give_back(at, entry)
 
+    def copy_aside(self) -> None:
+        """Replace the pieces that are views into arenas by copies, and give every loan back: a socket that
+        takes nothing must not keep the arena's allocator from reusing what follows them."""
+        self.parts = collections.deque(bytes(p) if type(p) is memoryview else p for p in self.parts)
+        self.sent = self.added
+        self.give_back_sent()
+
     def drop(self) -> None:
         """The socket is gone: forget the pieces, give every loan back."""
         self.parts.clear()
@@ -280,6 +287,8 @@ class Reader(Stage):
                 unsent.drop()
                 self.eof = True
                 self.finish()
+            if unsent.loans and any(loan[1][0].pressure for loan in unsent.loans):
+                unsent.copy_aside()
 
     def write_tls(self) -> None:
         data = self.conn.data_to_send()        # joined: TLS encrypts a copy anyway

@@ -243,8 +243,9 @@ class Supervisor:
         self.owner = shm.SegmentOwner(self.run_id)
         # made before any fork, so every stage process maps them (pipeline.broker.bodies)
         self.bodies = None
-        if cfg.arena_mb and cfg.pool:
-            self.bodies = _bodies.Bodies.create(self.owner, cfg.pool + 1, cfg.arena_mb * 1024 * 1024)
+        arena_bytes, arena_note = _bodies.fit_arenas(cfg.arena_mb * 1024 * 1024 if cfg.pool else 0, cfg.pool + 1)
+        if arena_bytes:
+            self.bodies = _bodies.Bodies.create(self.owner, cfg.pool + 1, arena_bytes)
         _bodies.install(self.bodies)
         self.next_holder = 1
         self.procs: dict[str, Proc] = {}
@@ -306,6 +307,8 @@ class Supervisor:
             host, port = sock.getsockname()[:2]
             self.log("info", [f"started {'TLS (SSL) ' if tls else ''}TCP listener on "
                               f"{'[' + host + ']' if ':' in host else host}:{port}"])
+        if arena_note:
+            self.log("warning", [arena_note])
         if removed:
             self.log("warning", [f"removed {len(removed)} shared-memory entries left by a killed run"])
 

@@ -138,3 +138,50 @@ def test_held_slots_walks_what_live_holders_still_hold():
     live.mark_dead(CHANNEL)
     assert a.held_slots() == (0, 0)
     assert a.statistics().used_bytes == slot_bytes(100) + slot_bytes(200)     # until the allocator reclaims
+
+
+def test_freed_space_goes_back_in_whole_pages_once_a_megabyte_has_come_free():
+    from ipc.bodies import PAGE_BYTES, PUNCH_MIN_BYTES
+    live = Liveness(bytearray(liveness_bytes()))
+    punched = []
+    a = Arena(bytearray(arena_bytes(4 * PUNCH_MIN_BYTES)), live, create=True,
+              punch=lambda start, length: punched.append((start, length)))
+    size = 64 * 1024 - SLOT_HEADER_BYTES                   # 64 KiB slots
+    offs = [put(a, b"p" * size) for _ in range(20)]
+    for off in offs[:15]:
+        a.release_channel(off)
+    a.reclaim()
+    assert punched == []                                              # 960 KiB free: not yet
+    for off in offs[15:17]:
+        a.release_channel(off)
+    a.reclaim()
+    assert punched == [(PAGE_BYTES, 17 * 64 * 1024 - PAGE_BYTES)]     # the page the header shares stays
+    for off in offs[17:]:
+        a.release_channel(off)
+    a.reclaim()
+    assert len(punched) == 1                                          # 192 KiB more: not yet
+    for _ in range(60):                                              # around the end of the data area
+        a.release_channel(put(a, b"q" * size))
+    for lo, length in punched:
+        assert lo % PAGE_BYTES == 0 and length % PAGE_BYTES == 0 and lo + length <= HEADER_BYTES + a.capacity_bytes
+    covered = sum(length for _, length in punched)
+    assert covered > 3 * PUNCH_MIN_BYTES            # 5 MiB freed in all, the last MiB not yet punched
+
+
+def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_mib(monkeypatch):
+    import os
+
+    from pipeline.broker import bodies
+
+    def free(mib):
+        return lambda _path: os.statvfs_result((4096, 4096, 0, 0, mib * 256, 0, 0, 0, 0, 255))
+
+    monkeypatch.setattr(os, "statvfs", free(10_000))
+    assert bodies.fit_arenas(64 * bodies.MIB, 3) == (64 * bodies.MIB, None)
+    monkeypatch.setattr(os, "statvfs", free(60))                       # Docker's default /dev/shm, 64 MiB
+    size, note = bodies.fit_arenas(64 * bodies.MIB, 3)
+    assert size == 10 * bodies.MIB and "body arenas of 10 MiB instead of 64" in note
+    monkeypatch.setattr(os, "statvfs", free(20))
+    size, note = bodies.fit_arenas(64 * bodies.MIB, 3)
+    assert size == 0 and "go by copy" in note
+    assert bodies.fit_arenas(0, 3) == (0, None)

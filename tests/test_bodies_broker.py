@@ -140,3 +140,21 @@ def test_a_killed_queue_lets_go_of_its_bodies_and_the_broker_goes_on(broker):
         for i in range(5):
             ch.basic_publish("", "after", body(i + 100))
         assert drain(ch, "after", 5) == [body(i + 100) for i in range(5)]
+
+
+def test_arena_mb_0_moves_every_body_by_copy(start_broker):
+    broker = start_broker("--arena-mb", "0")
+    assert broker.status()["arenas"] == []
+    with connect(broker) as conn:
+        ch = conn.channel()
+        ch.queue_declare("copied")
+        for i in range(5):
+            ch.basic_publish("", "copied", body(i))
+        assert drain(ch, "copied", 5) == [body(i) for i in range(5)]
+
+
+def test_a_bad_arena_size_exits_2_before_anything_starts(tmp_path):
+    from conftest import run_group, creditflow_cmd
+    code, _out, err = run_group(creditflow_cmd("serve", "--data-dir", str(tmp_path), "--arena-mb", "4096"), 30)
+    assert code == 2 and "--arena-mb: must be at most 2048, got 4096" in err
+    assert not (tmp_path / "ctl.sock").exists()

@@ -17,12 +17,23 @@ in the liveness table when the stage ends. Id 0 means none: bodies go by copy.
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
+
+from ipc.shm import SHM_DIR
 
 from ipc.bodies import LIVENESS_IDS, REF, REF_BYTES, Arena, ArenaStatistics, Liveness, arena_bytes, liveness_bytes
 
 REF_MIN_BODY_BYTES = 2048          # below this a copy costs less than the slot's bookkeeping
+MIB = 1024 * 1024
+MIN_ARENA_BYTES = 4 * MIB
+MAX_ARENA_MB = 2048                 # slot offsets in a reference are u32
 ARENA_MB = 64                      # per reader host: a consumer's unacked window of big bodies fits
+
+
+class NotHolder(RuntimeError):
+    """Raised when a stage gets a body by reference in a slot that lists no word of its own (a bug)."""
 
 
 @dataclass
@@ -41,7 +52,7 @@ class Bodies:
         for i in range(count):
             seg = owner.create(f"b{i}", arena_bytes(capacity_bytes))
             segments.append(seg)
-            made.append(Arena(seg.buf, liveness, create=True))
+            made.append(Arena(seg.buf, liveness, create=True, punch=_puncher(seg.buf)))
         return cls(made, liveness, None, tuple(segments))
 
     def allocator(self) -> Arena | None:
@@ -49,6 +60,34 @@ class Bodies:
 
     def statistics(self) -> list[ArenaStatistics]:
         return [a.statistics() for a in self.arenas]
+
+
+def fit_arenas(wanted_bytes: int, count: int, shm_dir: str = SHM_DIR) -> tuple[int, str | None]:
+    """Each arena's size: ``wanted_bytes``, or less when ``count`` of them would take over half of what is
+    free in ``shm_dir`` (a container's small /dev/shm: a write into a full tmpfs is a SIGBUS, not an
+    error); 0 (bodies by copy) below MIN_ARENA_BYTES. And a line to log when it is not what was asked."""
+    if not wanted_bytes:
+        return 0, None
+    try:
+        st = os.statvfs(shm_dir)
+        budget = st.f_bavail * st.f_frsize // 2 // count
+    except OSError:
+        budget = wanted_bytes
+    size = min(wanted_bytes, budget) & -MIB
+    if size >= wanted_bytes:
+        return wanted_bytes, None
+    if size < MIN_ARENA_BYTES:
+        return 0, (f"{shm_dir} has {budget * 2 * count // MIB} MiB free: message bodies go by copy "
+                   f"(no arenas)")
+    return size, (f"{shm_dir} has {budget * 2 * count // MIB} MiB free: body arenas of {size // MIB} MiB "
+                  f"instead of {wanted_bytes // MIB}")
+
+
+def _puncher(buf: mmap.mmap):
+    """Free a byte range's pages of a shared-memory mapping (the file's too, not just this mapping's)."""
+    def punch(start: int, length: int) -> None:
+        buf.madvise(mmap.MADV_REMOVE, start, length)
+    return punch
 
 
 _installed: Bodies | None = None
