@@ -38,11 +38,13 @@ first reuse behind it; allocation then fails and the reader sends the body
 inline, as before. While over half the arena is in use the allocator sets
 ``pressure``, and queues copy the bodies they hold out of the arena.
 
-Freed space goes back to the OS: once PUNCH_MIN_BYTES have come free behind
-the last punch, the allocator hands their whole pages back (``punch``, an
-``madvise(MADV_REMOVE)`` on the shared-memory file), so the arena's memory,
-which the memory alarm counts, follows the bodies still held instead of the
-most it ever held.
+Freed space goes back to the OS, but not at once: the allocator reuses
+the data area in a circle, so under a steady flow every page comes round
+again within moments, and handing it back would only make the next body
+fault it in afresh. Space that has stayed free for PUNCH_AFTER_MS without
+being reused has its whole pages handed back (``punch``, an
+``madvise(MADV_REMOVE)`` on the shared-memory file), so once a backlog has
+drained the arena's memory, which the memory alarm counts, follows it down.
 
 Byte layout
 -----------
@@ -72,6 +74,7 @@ only the supervisor writes it.
 from __future__ import annotations
 
 import struct
+import collections
 from dataclasses import dataclass
 
 from ipc.errors import CorruptRecord
@@ -84,8 +87,9 @@ QUEUE_ENTRIES = 6
 WRAP_MARKER = 0xFFFFFFFF
 MIN_CAPACITY_BYTES = 4 * SLOT_ALIGN_BYTES
 LIVENESS_IDS = 1 << 23                    # holder ids 1 .. LIVENESS_IDS - 1; the table is 1 MiB
-PUNCH_MIN_BYTES = 1024 * 1024             # hand freed pages back in runs of at least this much
+PUNCH_AFTER_MS = 1000                     # free space not reused for this long goes back to the OS
 PAGE_BYTES = 4096
+PUNCH_AFTER_NS = PUNCH_AFTER_MS * 1_000_000
 
 # header word indices (u64)
 _MAGIC, _CAP, _HEAD, _TAIL, _ALLOCATED, _REFUSED, _PRESSURE = range(7)
@@ -139,7 +143,7 @@ class Arena:
     """
 
     __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness", "punch",
-                 "_punched_to")
+                 "_punched_to", "_freed")
 
     def __init__(self, buf, liveness: Liveness, *, create: bool, punch=None):
         """``punch(start, length)``: give the pages of that byte range of ``buf`` back (None: keep them)."""
@@ -161,7 +165,10 @@ class Arena:
         elif hdr[_MAGIC] != ARENA_MAGIC or hdr[_CAP] != cap:
             raise CorruptRecord(f"buffer holds no arena of {cap} bytes (magic {hdr[_MAGIC]:#x})")
         self.punch = punch
-        self._punched_to = hdr[_TAIL]         # allocator-local: freed space before this went back
+        # allocator-local: space freed before _punched_to went back (or was reused); _freed lists
+        # [position freed up to, when] since, oldest first
+        self._punched_to = hdr[_TAIL]
+        self._freed: collections.deque = collections.deque()
 
     # -- the allocator ----------------------------------------------------------------------
     def alloc(self, body_bytes: int, channel: int) -> int | None:
@@ -194,8 +201,9 @@ class Arena:
             self.reclaim()
         return off
 
-    def reclaim(self) -> int:
-        """Free the oldest slots that nobody holds any more; return how many bytes came free."""
+    def reclaim(self, now_ns: int | None = None) -> int:
+        """Free the oldest slots that nobody holds any more; return how many bytes came free. With the
+        time, also hand back the pages of space freed PUNCH_AFTER_MS ago and not reused since."""
         hdr = self._hdr
         cap = self.capacity_bytes
         words = self._words
@@ -214,15 +222,33 @@ class Arena:
             tail += size
         if tail != start:
             hdr[_TAIL] = tail
-            if self.punch is not None and tail - self._punched_to >= PUNCH_MIN_BYTES:
-                self.give_pages_back(self._punched_to, tail)
         hdr[_PRESSURE] = 1 if head - tail > cap // 2 else 0
+        if now_ns is not None and self.punch is not None:
+            self.return_pages(tail, head, now_ns)
         return tail - start
+
+    def return_pages(self, tail: int, head: int, now_ns: int) -> None:
+        freed = self._freed
+        if tail > (freed[-1][0] if freed else self._punched_to):
+            if freed and now_ns - freed[-1][1] < PUNCH_AFTER_NS // 10:
+                freed[-1][0] = tail               # one entry per tenth of the wait
+            else:
+                freed.append([tail, now_ns])
+        while freed and now_ns - freed[0][1] >= PUNCH_AFTER_NS:
+            end = freed.popleft()[0]
+            start = max(self._punched_to, head - self.capacity_bytes)    # what the head came round to is in use
+            if end > start:
+                self.give_pages_back(start, end)
+            self._punched_to = max(self._punched_to, end)
+
+    @property
+    def returning(self) -> bool:
+        """Whether freed space waits to go back to the OS (the allocator's timer keeps running for it)."""
+        return bool(self._freed)
 
     def give_pages_back(self, start: int, end: int) -> None:
         """Punch the whole pages of freed positions [start, end) (at most one wrap of the data area)."""
         cap = self.capacity_bytes
-        self._punched_to = end
         if end - start >= cap:
             start = end - cap
         a, b = start % cap, end % cap

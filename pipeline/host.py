@@ -199,11 +199,11 @@ class Host:
                 timeout = max(0.0, (self.timers[0][0] - now) / 1e9)
             else:
                 timeout = None
-            if arena is not None and arena.in_use:
-                # the allocator frees what holders let go of (and gives the pages back), also while
-                # its own connections are idle or gone
-                arena.reclaim()
-                if arena.in_use and (timeout is None or timeout > ARENA_RECLAIM_S):
+            if arena is not None and (arena.in_use or arena.returning):
+                # the allocator frees what holders let go of, and gives long-free pages back, also
+                # while its own connections are idle or gone
+                arena.reclaim(now)
+                if (arena.in_use or arena.returning) and (timeout is None or timeout > ARENA_RECLAIM_S):
                     timeout = ARENA_RECLAIM_S
             for key, _ in select(timeout):
                 stage, tag = key.data

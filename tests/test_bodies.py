@@ -131,7 +131,7 @@ def test_the_header_is_the_layout_the_module_draws():
 
 def test_held_slots_walks_what_live_holders_still_hold():
     a, live = arena()
-    first, second = put(a, b"a" * 100), put(a, b"b" * 200)
+    first, _second = put(a, b"a" * 100), put(a, b"b" * 200)
     assert a.held_slots() == (2, 300)
     a.release_channel(first)
     assert a.held_slots() == (1, 200)
@@ -140,32 +140,42 @@ def test_held_slots_walks_what_live_holders_still_hold():
     assert a.statistics().used_bytes == slot_bytes(100) + slot_bytes(200)     # until the allocator reclaims
 
 
-def test_freed_space_goes_back_in_whole_pages_once_a_megabyte_has_come_free():
-    from ipc.bodies import PAGE_BYTES, PUNCH_MIN_BYTES
+def test_space_free_for_a_second_and_not_reused_goes_back_in_whole_pages():
+    from ipc.bodies import PAGE_BYTES, PUNCH_AFTER_NS
     live = Liveness(bytearray(liveness_bytes()))
     punched = []
-    a = Arena(bytearray(arena_bytes(4 * PUNCH_MIN_BYTES)), live, create=True,
+    a = Arena(bytearray(arena_bytes(4 * 1024 * 1024)), live, create=True,
               punch=lambda start, length: punched.append((start, length)))
     size = 64 * 1024 - SLOT_HEADER_BYTES                   # 64 KiB slots
     offs = [put(a, b"p" * size) for _ in range(20)]
-    for off in offs[:15]:
+    for off in offs[:17]:
         a.release_channel(off)
-    a.reclaim()
-    assert punched == []                                              # 960 KiB free: not yet
-    for off in offs[15:17]:
-        a.release_channel(off)
-    a.reclaim()
+    t = 10**12
+    a.reclaim(t)
+    assert punched == [] and a.returning                   # freed, but it may come round again
+    a.reclaim(t + PUNCH_AFTER_NS - 1)
+    assert punched == []
+    a.reclaim(t + PUNCH_AFTER_NS)
     assert punched == [(PAGE_BYTES, 17 * 64 * 1024 - PAGE_BYTES)]     # the page the header shares stays
-    for off in offs[17:]:
-        a.release_channel(off)
-    a.reclaim()
-    assert len(punched) == 1                                          # 192 KiB more: not yet
-    for _ in range(60):                                              # around the end of the data area
-        a.release_channel(put(a, b"q" * size))
-    for lo, length in punched:
-        assert lo % PAGE_BYTES == 0 and length % PAGE_BYTES == 0 and lo + length <= HEADER_BYTES + a.capacity_bytes
-    covered = sum(length for _, length in punched)
-    assert covered > 3 * PUNCH_MIN_BYTES            # 5 MiB freed in all, the last MiB not yet punched
+    assert not a.returning
+
+
+def test_space_the_allocator_came_round_to_again_is_not_handed_back():
+    from ipc.bodies import PUNCH_AFTER_NS
+    live = Liveness(bytearray(liveness_bytes()))
+    punched = []
+    a = Arena(bytearray(arena_bytes(1024 * 1024)), live, create=True,
+              punch=lambda start, length: punched.append((start, length)))
+    size = 64 * 1024 - SLOT_HEADER_BYTES
+    t = 10**12
+    for _ in range(8):                                     # half the area, freed at t
+        a.release_channel(put(a, b"x" * size))
+    a.reclaim(t)
+    for i in range(16):                                    # a whole round more, in use again
+        put(a, b"y" * size)
+        a.reclaim(t + i)
+    a.reclaim(t + PUNCH_AFTER_NS)
+    assert punched == []
 
 
 def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_mib(monkeypatch):

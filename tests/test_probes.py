@@ -243,7 +243,7 @@ def test_the_watchdogs_reading_follows_rss_between_pss_refreshes(child):
     assert (stats.pss_reads, stats.rss_reads, stats.measured_processes) == (2, 4, 2)
 
 
-def test_sharing_that_starts_after_a_refresh_is_counted_once_from_the_next_refresh(child, shared_region):
+def test_shared_memory_touched_after_a_refresh_is_counted_once_from_the_next_refresh(child, shared_region):
     c = child(shared_region)
     pids = [os.getpid(), c.pid]
     reader = probes.BrokerMemory("rss", pss_refresh_ms=1000)
@@ -253,7 +253,7 @@ def test_sharing_that_starts_after_a_refresh_is_counted_once_from_the_next_refre
     c.do(b"S")
     carried = reader.read(pids, 500_000_000) - before
     refreshed = reader.read(pids, 1_000_000_000) - before
-    assert abs(carried - 2 * SHARED_BYTES) < 8 * MIB           # the documented blind spot, for < 1 s
+    assert abs(carried) < 8 * MIB                   # the documented blind spot, for < 1 s: not yet seen
     assert abs(refreshed - SHARED_BYTES) < 8 * MIB
     assert abs(reader.read(pids, 2_000_000_000) - probes.broker_memory_bytes(pids, "rss")) < 8 * MIB
 
