@@ -22,7 +22,7 @@ shell does the I/O those actions need:
 * a body that came by reference (``pipeline.broker.bodies``) stays in its
   arena, held by this queue's word in the slot (:class:`Held`), and goes to a
   consumer's reader as a loan; it is copied out (and let go) for the journal,
-  a page, a dead letter or basic.get, and whenever its arena is over half full.
+  a page, a dead letter or basic.get, and once held over a second in an arena over half full.
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ DELIVERY_HEAD_BYTES = 32           # a DELIVER record's head and the ring's leng
 MSG_ID_INCARNATION_SHIFT = 40      # each restart of a queue numbers its messages from incarnation << 40
 COPY_OUT_BATCH = 256               # bodies copied out of a pressed arena in one turn
 COPY_OUT_SCAN = 4 * COPY_OUT_BATCH  # of the oldest held bodies looked at for it
+COPY_OUT_AFTER_NS = 1_000_000_000  # only bodies held at least this long
 LEND_IN_FLIGHT = 128               # deliveries in a reader's ring beyond which bodies go to it by copy
 DELIVERY_WINDOW = 1000             # deliveries in flight to one consumer's reader, whatever the prefetch
 TRIM_MIN_PEAK_MESSAGES = 1000        # a backlog smaller than this is not worth a trim
@@ -85,10 +86,10 @@ class Held:
     ``content`` is the record's content with a reference that names the entry: what a DELIVER lent to a
     consumer's reader carries."""
 
-    __slots__ = ("record", "arena", "at", "entry", "content")
+    __slots__ = ("record", "arena", "at", "entry", "content", "since_ns")
 
-    def __init__(self, record, arena, at: int, entry: int):
-        self.record, self.arena, self.at, self.entry = record, arena, at, entry
+    def __init__(self, record, arena, at: int, entry: int, since_ns: int):
+        self.record, self.arena, self.at, self.entry, self.since_ns = record, arena, at, entry, since_ns
         a, _, size, _ = bodies.decode_ref(record)
         view = memoryview(record)
         self.content = b"".join((view[wire.PUBLISH_CONTENT_OFFSET:len(record) - bodies.REF_BYTES],
@@ -296,7 +297,7 @@ class Queue(Stage):
         entry = arena.entry_of(at, self.holder) if self.holder else -1
         if entry < 0:           # its bytes may be another message's by now: never read them
             raise bodies.NotHolder(f"{self.name} got a body by reference at {at} with no word of its own")
-        return Held(record, arena, at, entry)
+        return Held(record, arena, at, entry, time.monotonic_ns())
 
     def let_go(self, payload) -> bytes:
         """The payload as a record carrying its own body; this queue's word in the slot is cleared."""
@@ -307,10 +308,19 @@ class Queue(Stage):
             self.copied_out += 1
         return record
 
-    def copy_out_held(self) -> None:
-        """An arena is over half full: copy the oldest bodies this queue holds in it out (they keep its
-        allocator from reusing what follows them), at most COPY_OUT_BATCH a turn."""
-        pressed = [held for held in itertools.islice(self.holding, COPY_OUT_SCAN) if held.arena.pressure]
+    def copy_out_held(self, now_ns: int) -> None:
+        """An arena is over half full: copy out of it the bodies this queue has held there for over
+        COPY_OUT_AFTER_NS, oldest first, at most COPY_OUT_BATCH a turn. A body held that long (unacked,
+        or behind a slow consumer) keeps the allocator from reusing everything after it; one that
+        came in the last second is left alone, so a deep backlog costs no copying: new bodies then go
+        inline until the oldest are delivered."""
+        due = now_ns - COPY_OUT_AFTER_NS
+        pressed = []
+        for held in itertools.islice(self.holding, COPY_OUT_SCAN):
+            if held.since_ns > due:
+                break
+            if held.arena.pressure:
+                pressed.append(held)
         for held in pressed[:COPY_OUT_BATCH]:
             msg = self.holding[held]
             msg.payload = self.let_go(held)
@@ -466,7 +476,7 @@ class Queue(Stage):
         held = msg.payload
         # lent only while its arena has room and the reader keeps up: a loan that sits in a stalled
         # reader's ring or socket would keep the allocator from reusing everything after it
-        if (type(held) is Held and not held.arena.pressure and c.link.ring.in_flight() < LEND_IN_FLIGHT
+        if (type(held) is Held and c.link.ring.in_flight() < LEND_IN_FLIGHT
                 and held.arena.lend(held.at, held.entry, c.link.peer_holder)):
             out = wire.encode_deliver(flags | wire.DLV_BODY_REF, c.channel, msg.id, c.ctag_bytes, held.content)
         else:
@@ -596,7 +606,7 @@ class Queue(Stage):
         if self.paging:
             self.page_out(now_ns)
         if self.holding and any(a.pressure for a in self.arenas):
-            self.copy_out_held()
+            self.copy_out_held(now_ns)
         if self.removes:
             if self.store_out is not None:
                 self.store_out.put(wire.encode_ids(wire.Kind.REMOVE, self.removes))

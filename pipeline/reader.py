@@ -287,8 +287,9 @@ class Reader(Stage):
                 unsent.drop()
                 self.eof = True
                 self.finish()
-            if unsent.loans and any(loan[1][0].pressure for loan in unsent.loans):
-                unsent.copy_aside()
+            if (unsent.loans and not self.can_read_more()
+                    and any(loan[1][0].pressure for loan in unsent.loans)):
+                unsent.copy_aside()         # a backed-up socket must not keep its loans from a pressed arena
 
     def write_tls(self) -> None:
         data = self.conn.data_to_send()        # joined: TLS encrypts a copy anyway

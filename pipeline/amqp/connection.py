@@ -72,6 +72,7 @@ SERVER_CAPABILITIES = ("publisher_confirms", "exchange_exchange_bindings", "basi
                        "connection.blocked", "consumer_priorities", "authentication_failure_close",
                        "per_consumer_qos", "direct_reply_to")
 CHANNEL_MAX_NO_LIMIT = 65535
+VIEW_BODY_MIN_BYTES = 2048          # a Publish carries a body of this size or more as a view, not a copy
 FRAME_SIZE_SLACK_BYTES = 8          # RabbitMQ accepts frames up to 8 bytes over frame_max - 8
 HEARTBEAT_MISSES_ALLOWED = 2        # a client silent for more than 2 intervals has timed out
 NS_PER_S = 1_000_000_000
@@ -94,7 +95,7 @@ class Publish(NamedTuple):
     routing_key_b: bytes
     mandatory: bool
     props_raw: bytes
-    body: bytes
+    body: bytes | memoryview       # a view of the bytes read when VIEW_BODY_MIN_BYTES or more: use it at once
     delivery_mode: int | None
 
     @property
@@ -788,7 +789,8 @@ class ServerConnection:
             ftype, bch, bsize = _FRAME_HEAD.unpack_from(buf, bpos)
             if ftype != 3 or bch != channel or bsize != body_size or buf[nxt - 1] != 0xCE:
                 return None
-            body = buf[bpos + 7:nxt - 1]
+            # a big body is handed on as a view of the bytes read (copied once, where it goes next)
+            body = buf[bpos + 7:nxt - 1] if body_size < VIEW_BODY_MIN_BYTES else memoryview(buf)[bpos + 7:nxt - 1]
         props_raw = buf[hpos + 19:hend]
         if len(props_raw) == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
             mode = props_raw[2]                  # delivery mode alone: the common case
