@@ -290,6 +290,10 @@ class Host:
         self.hand_on_until.pop(stage.name, None)
         self.ready.discard(stage)
         stage.selector.close()
+        for link in stage.out_links.values():   # what its receivers never got holds nothing in arenas
+            for record in link.overflow:
+                bodies.let_go_unsent(record, link.peer_holder)
+            link.overflow.clear()
         if code == KILLED:                 # no goodbye: its links and socket just close
             for link in list(stage.out_links.values()) + list(stage.in_links.values()):
                 link.close()

@@ -195,3 +195,25 @@ def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_m
     size, note = bodies.fit_arenas(64 * bodies.MIB, 3)
     assert size == 0 and "go by copy" in note
     assert bodies.fit_arenas(0, 3) == (0, None)
+
+
+def test_records_dropped_before_their_receiver_saw_them_let_go_of_its_words():
+    from pipeline import wire
+    from pipeline.broker import bodies
+    a, live = arena()
+    bodies.install(bodies.Bodies([a], live))
+    try:
+        off = put(a, b"d" * 100)
+        publish = wire.encode_publish(wire.PUB_BODY_REF, 1, b"", b"q", b"", bodies.encode_ref(0, off, 100))
+        a.route(off, [Q1, Q2])
+        bodies.let_go_unsent(publish, Q2)                     # never reached Q2: its word is cleared
+        assert a.entry_of(off, Q2) == -1 and a.held(off)
+        assert a.lend(off, 0, READER)
+        deliver = wire.encode_deliver(wire.DLV_BODY_REF, 1, 7, b"ctag", b"\x00\x01q" + bytes(4)
+                                      + bodies.encode_ref(0, off, 100, 0))
+        bodies.let_go_unsent(deliver, READER)                 # the reader never got the loan
+        a.release(off, 0)
+        assert not a.held(off)
+        bodies.let_go_unsent(wire.encode_publish(0, 2, b"", b"q", b"", b"inline"), Q1)    # nothing to let go
+    finally:
+        bodies.install(None)

@@ -21,9 +21,12 @@ import mmap
 import os
 from dataclasses import dataclass
 
-from ipc.shm import SHM_DIR
-
 from ipc.bodies import LIVENESS_IDS, REF, REF_BYTES, Arena, ArenaStatistics, Liveness, arena_bytes, liveness_bytes
+from ipc.shm import SHM_DIR
+from pipeline import wire
+
+__all__ = ["LIVENESS_IDS", "REF_BYTES", "Bodies", "NotHolder", "install", "installed", "claim", "encode_ref",
+           "decode_ref", "copy_out", "arena_of", "let_go_unsent", "fit_arenas"]
 
 REF_MIN_BODY_BYTES = 8192          # below this the copies cost less than the slot's bookkeeping (measured: 4 KiB
                                    # 10% slower by reference, 8 KiB even, 16 KiB 24-33% faster)
@@ -134,3 +137,20 @@ def arena_of(record) -> tuple[Arena, int]:
     """(arena, slot offset) of the body a record refers to."""
     a, at, _, _ = decode_ref(record)
     return _installed.arenas[a], at
+
+
+def let_go_unsent(record, receiver: int) -> None:
+    """A record that never reached ``receiver`` (dropped from a dead or departing stage's overflow): clear
+    the word the receiver would have cleared, as the VM frees what a dead process's mailbox held. Only
+    its receiver writes that word, and it never saw the record, so nobody else is writing it."""
+    if _installed is None or len(record) < 2:
+        return
+    kind, flags = record[0], record[1]
+    if kind == wire.Kind.PUBLISH and flags & wire.PUB_BODY_REF:
+        arena, at = arena_of(record)
+        entry = arena.entry_of(at, receiver) if receiver else -1
+        if entry >= 0:
+            arena.release(at, entry)
+    elif kind == wire.Kind.DELIVER and flags & wire.DLV_BODY_REF:
+        a, at, _, entry = decode_ref(record)
+        _installed.arenas[a].give_back(at, entry)
