@@ -206,20 +206,17 @@ class Arena:
         time, also hand back the pages of space freed PUNCH_AFTER_MS ago and not reused since."""
         hdr = self._hdr
         cap = self.capacity_bytes
-        words = self._words
         head = hdr[_HEAD]
         tail = start = hdr[_TAIL]
-        while tail < head:
-            off = tail % cap
-            size = words[off >> 2]
-            if size == WRAP_MARKER:
-                tail += cap - off
-                continue
-            if size < SLOT_HEADER_BYTES or size > cap or size & (SLOT_ALIGN_BYTES - 1):
-                raise CorruptRecord(f"arena slot at {off} claims {size} bytes")
+        for pos, off, size in self._slots(tail, head):
+            if size is None:
+                raise CorruptRecord(f"arena slot at {off} claims {self._words[off >> 2]} bytes")
+            tail = pos
             if self.held(off):
                 break
-            tail += size
+            tail = pos + size
+        else:
+            tail = head
         if tail != start:
             hdr[_TAIL] = tail
         hdr[_PRESSURE] = 1 if head - tail > cap // 2 else 0
@@ -329,24 +326,31 @@ class Arena:
     def held_slots(self) -> tuple[int, int]:
         """(slots, body bytes) still held by a live holder now: a walk from the oldest slot, read only, so
         any process may take it (the header's ``used_bytes`` lags until the allocator reclaims)."""
-        hdr = self._hdr
+        slots = body = 0
+        for _, off, size in self._slots(self._hdr[_TAIL], self._hdr[_HEAD]):
+            if size is None:
+                break                       # the allocator is writing it: count what came before
+            if self.held(off):
+                slots += 1
+                body += self._words[(off >> 2) + _BODY_BYTES]
+        return slots, body
+
+    def _slots(self, pos: int, head: int):
+        """(position, offset, slot bytes) of each slot from ``pos`` up to ``head``, wrap markers skipped;
+        slot bytes None (and the walk ends) where a length word is no slot's."""
         cap = self.capacity_bytes
         words = self._words
-        pos, head = hdr[_TAIL], hdr[_HEAD]
-        slots = body = 0
         while pos < head:
             off = pos % cap
             size = words[off >> 2]
             if size == WRAP_MARKER:
                 pos += cap - off
                 continue
-            if size < SLOT_HEADER_BYTES or size > cap:
-                break                       # the allocator is writing it: count what came before
-            if self.held(off):
-                slots += 1
-                body += words[(off >> 2) + _BODY_BYTES]
+            if size < SLOT_HEADER_BYTES or size > cap or size & (SLOT_ALIGN_BYTES - 1):
+                yield pos, off, None
+                return
+            yield pos, off, size
             pos += size
-        return slots, body
 
     @property
     def in_use(self) -> bool:
