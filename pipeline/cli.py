@@ -21,6 +21,7 @@ EXIT_USAGE = 2
 EXIT_LOST = 5
 EXIT_NO_BROKER = 6
 EXIT_POINTS_FAILED = 1          # sweep: some points did not finish cleanly
+MIB = 1024 * 1024
 
 
 class UsageError(Exception):
@@ -558,6 +559,11 @@ def format_status(status: dict) -> str:
     if status.get("fd", {}).get("alarm"):
         alarms.append("file_descriptor_limit")
     lines.append("alarms: " + (", ".join(alarms) if alarms else "none"))
+    for i, a in enumerate(status.get("arenas", [])):
+        lines.append(f"arena b{i}: {a['allocated']} bodies so far, {a['held_slots']} held "
+                     f"({a['held_body_bytes'] / MIB:.1f} MiB), {a['used_bytes'] / MIB:.1f} of "
+                     f"{a['capacity_bytes'] / MIB:.0f} MiB in use, {a['refused']} sent inline for want of room"
+                     + (", pressed" if a["pressure"] else ""))
     deaths = status.get("deaths", [])
     if deaths:
         lines.append("deaths:")

@@ -62,7 +62,11 @@ def test_a_body_fanned_out_is_stored_once_and_every_queue_delivers_it_whole(brok
         for name in names:
             assert drain(ch, name, 20) == [body(i) for i in range(20)]
         assert allocated(broker) - before == 20          # one slot per publish, whatever the fan-out
-    broker.wait_for(lambda s: held(s) == 0, what="every slot let go")
+    status = broker.wait_for(lambda s: held(s) == 0, what="every slot let go")
+    from pipeline.cli import format_status
+    shown = [line for line in format_status(status).splitlines() if line.startswith("arena b")]
+    assert len(shown) == len(status["arenas"]) and any(f"{before + 20} bodies so far, 0 held" in line
+                                                       for line in shown)
 
 
 def test_small_bodies_never_touch_an_arena(broker):
