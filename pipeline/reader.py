@@ -42,7 +42,7 @@ from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 RECV_BYTES = 128 * 1024
-OUTBUF_HIGH_BYTES = 4 * 1024 * 1024      # stop draining deliveries above this much unsent
+OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
 IOV_MAX = 1024                       # pieces one sendmsg takes (Linux's UIO_MAXIOV)
 CLOSE_TIMEOUT_NS = 1_000_000_000
 LOGIN_REFUSED_DELAY_NS = 3_000_000_000   # RabbitMQ's SILENT_CLOSE_DELAY for clients it does not trust
