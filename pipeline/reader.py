@@ -180,6 +180,7 @@ class Reader(Stage):
         self.unsent = Unsent()              # plain TCP: pieces for the socket, views into arenas among them
         self.bodies = _bodies.installed()
         self.arena = self.bodies.allocator() if self.bodies is not None else None
+        self.held_back = False               # deliveries left in the rings for want of room in the output
         self.loans: list = []                # (arena, slot, entry) of deliveries lent by reference, not yet sent
         self.interest = 0
         self.eof = False
@@ -317,7 +318,10 @@ class Reader(Stage):
                 self.finish()
 
     def can_read_more(self) -> bool:
-        return len(self.outbuf) + self.unsent.bytes < OUTBUF_HIGH_BYTES
+        if len(self.outbuf) + self.unsent.bytes < OUTBUF_HIGH_BYTES:
+            return True
+        self.held_back = True
+        return False
 
     def poll_links(self, now_ns: int) -> int:
         """Queues answer some methods straight to the reader (consume-ok, get-ok) and then tell the
@@ -378,6 +382,11 @@ class Reader(Stage):
             self._set_interest()
             return
         self.write_out()
+        if self.held_back and self.can_read_more():
+            # Deliveries were left in the rings while the socket was backed up, and the queues that put
+            # them there will not ring again: come back for them now, not when the client next writes.
+            self.held_back = False
+            self.backlog = True
         if self.closing_since_ns is not None and (
                 not self.outbuf and not self.unsent.bytes and self.conn.state == "closed"
                 or now_ns - self.closing_since_ns > CLOSE_TIMEOUT_NS or self.eof):

@@ -368,6 +368,49 @@ def test_a_no_ack_consumer_that_stops_reading_holds_back_only_what_its_buffers_h
     s.close()
 
 
+def count_deliveries(sock: socket.socket, want: int, quiet_s: float = 5.0) -> int:
+    """basic.deliver frames read until ``want`` have come or nothing has come for ``quiet_s``; the client
+    sends nothing meanwhile (no acks, no heartbeats)."""
+    buf, pos, got = bytearray(), 0, 0
+    sock.settimeout(quiet_s)
+    while got < want:
+        try:
+            data = sock.recv(1 << 20)
+        except socket.timeout:
+            break
+        if not data:
+            break
+        buf += data
+        while len(buf) - pos >= 7:
+            ftype, size = buf[pos], int.from_bytes(buf[pos + 3:pos + 7], "big")
+            if len(buf) - pos < size + 8:
+                break
+            if ftype == 1 and buf[pos + 7:pos + 11] == b"\x00\x3c\x00\x3c":
+                got += 1
+            pos += size + 8
+        del buf[:pos]
+        pos = 0
+    return got
+
+
+def test_a_no_ack_consumer_that_stops_reading_and_reads_again_gets_every_message_without_sending_a_byte(broker):
+    """Once its socket takes its output again, the reader goes back to the deliveries waiting in its ring by
+    itself: a no-ack consumer sends nothing that would wake it (here, no heartbeats either)."""
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("paused")
+    for _ in range(1500):              # 96 MB: more than the sockets, the reader's output, its ring and the arena hold
+        ch.basic_publish("", "paused", b"y" * 65536)
+    conn.close()
+    s = raw_amqp_connection(broker.port)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1)
+              + frame.marshal(commands.Basic.Consume(queue="paused", no_ack=True), 1))
+    time.sleep(1.5)                    # the reader's output fills and it stops taking deliveries
+    got = count_deliveries(s, 1500)
+    s.close()
+    assert got == 1500, f"{got} of 1,500 delivered, then the consumer heard nothing more"
+
+
 def test_connections_share_reader_and_channel_processes_and_a_killed_host_takes_only_its_own(start_broker):
     broker = start_broker("--pool", "2")
     conns = [connect(broker) for _ in range(6)]
