@@ -177,6 +177,7 @@ class Reader(Stage):
         self.early: list = []                       # channels' records waiting for what queues sent first
         self.early_marks: dict[int, int] = {}       # queue in-link id -> its ring's commit position then
         self.outbuf = bytearray()           # TLS: bytes for the socket, joined
+        self.queued_bytes = 0                # deliveries handed to the connection this turn, not yet in unsent
         self.unsent = Unsent()              # plain TCP: pieces for the socket, views into arenas among them
         self.bodies = _bodies.installed()
         self.arena = self.bodies.allocator() if self.bodies is not None else None
@@ -272,6 +273,7 @@ class Reader(Stage):
             self.write_tls()
             return
         parts = self.conn.parts_to_send()
+        self.queued_bytes = 0
         unsent = self.unsent
         if parts:
             unsent.add(parts)
@@ -294,6 +296,7 @@ class Reader(Stage):
 
     def write_tls(self) -> None:
         data = self.conn.data_to_send()        # joined: TLS encrypts a copy anyway
+        self.queued_bytes = 0
         for arena, at, entry in self.loans:
             arena.give_back(at, entry)
         self.loans.clear()
@@ -318,7 +321,7 @@ class Reader(Stage):
                 self.finish()
 
     def can_read_more(self) -> bool:
-        if len(self.outbuf) + self.unsent.bytes < OUTBUF_HIGH_BYTES:
+        if len(self.outbuf) + self.unsent.bytes + self.queued_bytes < OUTBUF_HIGH_BYTES:
             return True
         self.held_back = True
         return False
@@ -329,13 +332,15 @@ class Reader(Stage):
         first, and their records handled only once every queue ring has been read as far as it had
         been committed by then. Answers reach the client in the order it asked."""
         handled = 0
-        if not self.early:
+        fresh = not self.early
+        if fresh:
             for link in list(self.in_links.values()):
                 if link.link_id not in self.queue_links:
                     records = link.read(self.read_batch)
-                    if records:
-                        self.early.append((link, records))
-                        if len(records) == self.read_batch:
+                    if records or link.more:
+                        if records:
+                            self.early.append((link, records))
+                        if link.more:
                             self.backlog = True
             if self.early:
                 self.early_marks = {i: self.in_links[i].ring.position_committed()
@@ -349,8 +354,11 @@ class Reader(Stage):
                     handled += len(records)
                     for record in records:
                         self.on_record(link, record)
-            else:
+                if not fresh:
+                    self.backlog = True     # the channel rings were not read this turn, nor will they ring
+            elif self.can_read_more():
                 self.backlog = True
+            # else: the queue rings wait for the socket to take the output, and held_back brings us back
         return handled
 
     def wants_records(self, link) -> bool:
@@ -601,6 +609,7 @@ class Reader(Stage):
         names, props, body = wire.content_named_views(record, off)
         if flags & wire.DLV_BODY_REF:
             a, at, size, entry = _bodies.decode_ref(body)
+            self.queued_bytes += size
             arena = self.bodies.arenas[a]
             loan = (arena, at, entry)
             if self.conn.send_parts(*frames.deliver_parts(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
@@ -610,6 +619,7 @@ class Reader(Stage):
             else:
                 arena.give_back(at, entry)
         else:
+            self.queued_bytes += len(body)
             self.conn.send_frames(*frames.encode_deliver_names(channel, ctag, tag,
                                                                bool(flags & wire.DLV_REDELIVERED), names, props,
                                                                body, self.conn.frame_max))

@@ -710,9 +710,16 @@ class Supervisor:
             return
         self.tell(chan, {"type": "routing", "snapshot": self.defs.routing.snapshot()})
         out = self.make_link(reader.name, name, flow=not cfg.credit.disabled)
-        inp = self.make_link(name, reader.name, flow=False)
+        inp = self.make_link(name, reader.name, flow=False) if out is not None else None
         if out is not None and inp is not None:
             self.tell(reader, {"type": "channel_ready", "channel": number, "out": out, "in": inp})
+            return
+        # no ring (/dev/shm full) or an end already stopping: the reader, waiting for this channel before
+        # it parses anything more, must hear that it will not come
+        self.stop_proc(chan)
+        if reader.state == "running":
+            self.tell(reader, {"type": "channel_refused", "channel": number, "code": 541,
+                               "text": "INTERNAL_ERROR - cannot connect a channel process"})
 
     def queue_spec(self, qdef: QueueDef) -> dict:
         cfg = self.cfg

@@ -411,6 +411,39 @@ def test_a_no_ack_consumer_that_stops_reading_and_reads_again_gets_every_message
     assert got == 1500, f"{got} of 1,500 delivered, then the consumer heard nothing more"
 
 
+def test_a_reader_whose_socket_is_backed_up_waits_without_spinning_while_confirms_come_in(broker):
+    """A connection that consumes and publishes with confirms, and stops reading its socket: the confirms
+    wait behind the deliveries the socket cannot take, and the reader sleeps until it can."""
+    import psutil
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("held")
+    for _ in range(600):                   # 40 MB: more than the sockets, the reader's output and its ring hold
+        ch.basic_publish("", "held", b"z" * 65536)
+    conn.close()
+    s = raw_amqp_connection(broker.port)
+    s.sendall(frame.marshal(commands.Channel.Open(), 1) + frame.marshal(commands.Confirm.Select(), 1)
+              + frame.marshal(commands.Basic.Consume(queue="held", no_ack=True), 1))
+    time.sleep(1.5)                        # never read: the reader's output fills
+    # unroutable and mandatory: the channel answers each with basic.return and a confirm, on its ring
+    publish = (frame.marshal(commands.Basic.Publish(exchange="", routing_key="nowhere", mandatory=True), 1)
+               + frame.marshal(header.ContentHeader(body_size=2), 1) + frame.marshal(amqp_body.ContentBody(b"hi"), 1))
+    s.sendall(publish * 20)
+    status = broker.wait_for(lambda st: [p for n, p in st["processes"].items()
+                                         if n.startswith("reader-") and p.get("alive") and p["publishes"] == 20],
+                             what="the publishes read")
+    reader = [p for n, p in status["processes"].items()
+              if n.startswith("reader-") and p.get("alive") and p["publishes"] == 20]
+    time.sleep(0.5)                        # the channel's answers reach the reader
+    host = psutil.Process(reader[0]["pid"])
+    before = host.cpu_times()
+    time.sleep(2)
+    after = host.cpu_times()
+    busy = (after.user + after.system) - (before.user + before.system)
+    s.close()
+    assert busy < 0.5, f"the reader's process used {busy:.2f} s of CPU in 2 s while its client read nothing"
+
+
 def test_connections_share_reader_and_channel_processes_and_a_killed_host_takes_only_its_own(start_broker):
     broker = start_broker("--pool", "2")
     conns = [connect(broker) for _ in range(6)]
