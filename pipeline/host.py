@@ -24,6 +24,12 @@ Messages from the supervisor on the host's own control socket::
 
 and to it: ``exited {name, code, how}`` once a stage has ended and its
 endpoints are closed (its statistics went before, on its own socket).
+
+A host's stages together push at most ``HOST_STATS_PER_S`` statistics
+snapshots a second: ten stages each every 100 ms, a hundred each every second
+(``stats_interval_ns``). With a hundred connections, pushing each one's every
+100 ms cost the supervisor a tenth of a core and the hosts a syscall and a
+wakeup per push; a state change (flow, blocked) still goes at once.
 """
 
 from __future__ import annotations
@@ -40,11 +46,13 @@ from ipc import control
 from ipc.credit import CreditSpec
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from pipeline.broker import bodies
-from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, Stage
+from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, STATS_INTERVAL_MS, Stage
 
 EXIT_STAGE_CRASHED = 70
 ARENA_RECLAIM_S = 0.1              # how often an idle reader host frees its arena's let-go slots
 KILLED = -9
+HOST_STATS_PER_S = 100             # statistics snapshots a host's stages push a second, all together
+MAX_STATS_INTERVAL_NS = 1_000_000_000
 
 
 class StageView:
@@ -182,10 +190,17 @@ class Host:
             ctl.close()
             return
         stage.hosted = True
-        if self.stats_interval_ns is not None:
-            stage.stats_interval_ns = self.stats_interval_ns
         self.stages[name] = stage
+        self.space_stats()
         self.ready.add(stage)
+
+    def space_stats(self) -> None:
+        """Spread the stages' statistics pushes so that together they stay near HOST_STATS_PER_S."""
+        base = self.stats_interval_ns or STATS_INTERVAL_MS * 1_000_000
+        spread = len(self.stages) * 1_000_000_000 // HOST_STATS_PER_S
+        interval = max(base, min(spread, MAX_STATS_INTERVAL_NS))
+        for stage in self.stages.values():
+            stage.stats_interval_ns = interval
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -286,6 +301,7 @@ class Host:
     def drop(self, stage: Stage, code: int, how: str | None) -> None:
         """Forget ``stage``: tell the supervisor how it ended, close every endpoint it had."""
         self.stages.pop(stage.name, None)
+        self.space_stats()
         self.deadlines.pop(stage.name, None)
         self.hand_on_until.pop(stage.name, None)
         self.ready.discard(stage)
