@@ -701,6 +701,17 @@ class Reader(Stage):
                 self.conn.close(320, msg["text"])
             self.finish()
 
+    def detach(self, link_id: int, now_ns: int, reason: str = "closed") -> None:
+        # a channel's records still held back for the queue rings come before what it sent last, and must
+        # be handled while its slot still knows the link (its closed record among them)
+        mine = [(link, records) for link, records in self.early if link.link_id == link_id]
+        if mine:
+            self.early = [(link, records) for link, records in self.early if link.link_id != link_id]
+            for link, records in mine:
+                for record in records:
+                    self.on_record(link, record)
+        super().detach(link_id, now_ns, reason)
+
     def on_peer_down(self, link_id: int, reason: str) -> None:
         self.queue_links.pop(link_id, None)
         for slot in self.channels.values():

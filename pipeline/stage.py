@@ -290,6 +290,7 @@ class Stage:
         self.read_batch = READ_BATCH_RECORDS
         self.stats_interval_ns = STATS_INTERVAL_MS * 1_000_000
         self.backlog = False         # the last turn left records unread: do not sleep
+        self.state_due = False       # a block or unblock not pushed yet (too soon after the last push)
         # turns that found nothing on any in-link since records last came. A doorbell can only be
         # skipped while this stage is finishing a read (OutLink.flush); once one quiet turn has polled
         # every ring after that, each later commit finds it all released and rings: an idle stage
@@ -516,7 +517,8 @@ class Stage:
         """How long this stage may sleep before its next turn (None: until an endpoint is ready)."""
         timeout = self.timeout_s(now)
         if self.dirty:
-            due = (self.last_stats_ns + self.stats_interval_ns - now) / 1e9
+            every = STATE_PUSH_MIN_MS * 1_000_000 if self.state_due else self.stats_interval_ns
+            due = (self.last_stats_ns + every - now) / 1e9
             timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
         if self.stopping_since_ns is not None:
             timeout = 0.0 if timeout is None else min(timeout, 0.01)
@@ -562,15 +564,18 @@ class Stage:
             if self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
                 self.trim(now)
         key = self.state_key()
-        if key != self.was_blocked and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
+        changed = key != self.was_blocked
+        if changed and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
             self.was_blocked = key
             self.push_stats(now)
             self.dirty = False
-        elif key != self.was_blocked:
+            changed = False
+        elif changed:
             self.dirty = True
         elif self.dirty and now - self.last_stats_ns >= self.stats_interval_ns:
             self.push_stats(now)
             self.dirty = False
+        self.state_due = changed      # a block or unblock waits STATE_PUSH_MIN_MS at most, whatever the interval
         if self.stopping_since_ns is not None and (
                 not handled or now - self.stopping_since_ns > STOP_DRAIN_NS):
             self.running = False
