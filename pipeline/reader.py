@@ -364,6 +364,16 @@ class Reader(Stage):
     def wants_records(self, link) -> bool:
         return link.link_id in self.queue_links
 
+    def deliveries_waiting(self) -> bool:
+        if not self.queue_links or not self.running or not self.can_read_more():
+            return False
+        links = self.in_links
+        for link_id in self.queue_links:
+            link = links.get(link_id)
+            if link is not None and link.ring.position_read() < link.ring.position_committed():
+                return True
+        return False
+
     # -- the loop's hooks --------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
         if self.tls and not self.handshaking and self.sock.pending():

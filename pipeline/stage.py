@@ -451,6 +451,10 @@ class Stage:
     def can_read_more(self) -> bool:
         return True
 
+    def deliveries_waiting(self) -> bool:
+        """Whether deliveries wait in this stage's rings for it (a host gives such stages extra turns)."""
+        return False
+
     def between_batches(self, now_ns: int) -> None:
         """After each batch read from an in-link: work that must not wait for the end of the turn
         (a queue's deliveries, as a gen_server interleaves them with its mailbox)."""
