@@ -36,7 +36,7 @@ A host's stages together push at most ``HOST_STATS_PER_S`` statistics
 snapshots a second: ten stages each every 100 ms, a hundred each every second
 (``stats_interval_ns``). With a hundred connections, pushing each one's every
 100 ms cost the supervisor a tenth of a core and the hosts a syscall and a
-wakeup per push; a state change (flow, blocked) still goes at once.
+wakeup per push; a state change (flow, blocked) still goes within 10 ms.
 """
 
 from __future__ import annotations
