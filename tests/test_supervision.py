@@ -429,11 +429,10 @@ def test_a_reader_whose_socket_is_backed_up_waits_without_spinning_while_confirm
     publish = (frame.marshal(commands.Basic.Publish(exchange="", routing_key="nowhere", mandatory=True), 1)
                + frame.marshal(header.ContentHeader(body_size=2), 1) + frame.marshal(amqp_body.ContentBody(b"hi"), 1))
     s.sendall(publish * 20)
-    status = broker.wait_for(lambda st: [p for n, p in st["processes"].items()
-                                         if n.startswith("reader-") and p.get("alive") and p["publishes"] == 20],
-                             what="the publishes read")
-    reader = [p for n, p in status["processes"].items()
-              if n.startswith("reader-") and p.get("alive") and p["publishes"] == 20]
+    def publishing_reader(st):
+        return [p for n, p in st["processes"].items()
+                if n.startswith("reader-") and p.get("alive") and p["publishes"] == 20]
+    reader = publishing_reader(broker.wait_for(publishing_reader, what="the publishes read"))
     time.sleep(0.5)                        # the channel's answers reach the reader
     host = psutil.Process(reader[0]["pid"])
     before = host.cpu_times()
