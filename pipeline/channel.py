@@ -115,6 +115,7 @@ class Channel(Stage):
         self.returned = 0
         self.out_frames: list[bytes] = []
         self.closing = False
+        self.queues_told = False                  # channel_closed sent to every queue linked
         self.reply_to: bytes | None = None        # this channel's direct reply-to queue, once it consumes one
 
     # -- wiring ------------------------------------------------------------------
@@ -256,6 +257,8 @@ class Channel(Stage):
                 msg = wire.decode_control(record)
                 if msg.get("op") == "close":
                     self.close()
+                elif msg.get("op") == "fail" and not self.closing:    # the reader refused an ack's tag
+                    raise ChannelError(msg["code"], msg["text"], msg["class_id"], msg["method_id"])
                 elif msg.get("op") == "permits":
                     self.pass_permits(self.need_queue(msg["queue"].encode("utf-8", "surrogateescape"),
                                                       ("permits", msg)), msg)
@@ -635,7 +638,10 @@ class Channel(Stage):
 
     def channel_error(self, err: ChannelError) -> None:
         """Close the channel with ``err``; a hard error (AMQP's connection-level codes, as RabbitMQ
-        treats ``not_allowed`` or ``command_invalid``) closes the whole connection."""
+        treats ``not_allowed`` or ``command_invalid``) closes the whole connection. As RabbitMQ's
+        channel, it tells its queues first: what it held is back in them before the client hears of
+        the close, so a channel the client opens next finds it there."""
+        self.tell_queues_closed()
         self.flush_frames()
         if self.to_reader is not None:
             op = "connection_error" if err.code in HARD_ERROR_CODES else "channel_error"
@@ -646,13 +652,20 @@ class Channel(Stage):
 
     def close(self) -> None:
         """The client (or our error) closed the channel: tell the queues, answer the reader, stop."""
-        for q in self.queues.values():
-            q.out.put(wire.encode_control({"op": "channel_closed", "channel": self.number,
-                                           "reader": self.reader_name}))
+        self.tell_queues_closed()
         self.flush_frames()
         if self.to_reader is not None:
             self.to_reader.put(wire.encode_control({"op": "closed", "channel": self.number}))
         self.running = False
+
+    def tell_queues_closed(self) -> None:
+        """Once: the channel's consumers go and its unacked messages go back (RabbitMQ's notify_queues)."""
+        if self.queues_told:
+            return
+        self.queues_told = True
+        for q in self.queues.values():
+            q.out.put(wire.encode_control({"op": "channel_closed", "channel": self.number,
+                                           "reader": self.reader_name}))
 
     def flush_frames(self) -> None:
         if self.out_frames and self.to_reader is not None:

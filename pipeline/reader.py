@@ -33,9 +33,9 @@ from ipc.tokens import Kind as TokenKind
 from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies as _bodies
-from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelOpen, Closed, CloseRequested,
-                                      HandshakeTimeout, HeartbeatTimeout, Method, ProtocolError, Publish,
-                                      ServerConnection)
+from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelError, ChannelOpen, Closed,
+                                      CloseRequested, HandshakeTimeout, HeartbeatTimeout, Method, ProtocolError,
+                                      Publish, ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
 from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
@@ -484,6 +484,10 @@ class Reader(Stage):
                 slot.out.put(wire.encode_control({"op": "close"}))
             else:
                 self.conn.close_channel_ok(ev.channel)
+        elif isinstance(ev, ChannelError):     # a malformed frame on it: the close is on its way to the client
+            slot = self.channels.get(ev.channel)
+            if slot is not None and slot.out is not None:
+                slot.out.put(wire.encode_control({"op": "close"}))      # its queues take back what it held
         elif isinstance(ev, ChannelCloseOk):
             slot = self.channels.get(ev.channel)
             if slot is not None and slot.out is not None:
@@ -514,7 +518,7 @@ class Reader(Stage):
         if key in (BASIC_NACK, BASIC_REJECT):
             m = ev.method
             flags = wire.ACK_REJECT | (wire.ACK_REQUEUE if m.requeue else 0)
-            self.settle(slot, m.delivery_tag, getattr(m, "multiple", False), flags)
+            self.settle(slot, m.delivery_tag, getattr(m, "multiple", False), flags, key)
             return
         if key == CONFIRM_SELECT:
             slot.confirm = True
@@ -524,7 +528,7 @@ class Reader(Stage):
             self.grant(slot, slot.limit.set_limit(ev.method.prefetch_count, slot.consumer_unacked()))
         slot.out.put(wire.encode_method(ev.payload))
 
-    def settle(self, slot: ChannelSlot, tag: int, multiple: bool, flags: int) -> None:
+    def settle(self, slot: ChannelSlot, tag: int, multiple: bool, flags: int, method=BASIC_ACK) -> None:
         """Turn a client's ack/nack/reject into ACK records per queue."""
         by_link: dict[int, list[int]] = {}
         unacked = slot.unacked
@@ -532,8 +536,7 @@ class Reader(Stage):
             if tag == 0:
                 tag = slot.next_tag - 1
             elif tag not in unacked:            # RabbitMQ: the tag itself must be outstanding, as for one ack
-                self.conn.close_channel(slot.number, 406, f"PRECONDITION_FAILED - unknown delivery tag {tag}",
-                                        60, 80)
+                self.unknown_tag(slot, tag, method)
                 return
             while unacked:
                 first = next(iter(unacked))
@@ -546,8 +549,7 @@ class Reader(Stage):
         else:
             entry = unacked.pop(tag, None)
             if entry is None:
-                self.conn.close_channel(slot.number, 406, f"PRECONDITION_FAILED - unknown delivery tag {tag}",
-                                        60, 80)
+                self.unknown_tag(slot, tag, method)
                 return
             by_link[entry[0]] = [entry[1]]
             if slot.gets:
@@ -558,6 +560,12 @@ class Reader(Stage):
                 slot.out.put(wire.encode_ack(flags, queue, ids))
         if slot.limit is not None and slot.limit.waiting:
             self.grant(slot, slot.limit.settled(slot.consumer_unacked()))
+
+    def unknown_tag(self, slot: ChannelSlot, tag: int, method: tuple[int, int]) -> None:
+        """An ack of a tag not outstanding: the channel closes with 406, by way of its process, which
+        hands its unacked messages back to their queues before the client hears of the close."""
+        slot.out.put(wire.encode_control({"op": "fail", "code": 406, "class_id": method[0], "method_id": method[1],
+                                          "text": f"PRECONDITION_FAILED - unknown delivery tag {tag}"}))
 
     def grant(self, slot: ChannelSlot, grants) -> None:
         """Permits for queues waiting on the channel's global limit; they go by the channel, as acks do."""
@@ -711,16 +719,16 @@ class Reader(Stage):
                 self.conn.close(320, msg["text"])
             self.finish()
 
-    def detach(self, link_id: int, now_ns: int, reason: str = "closed") -> None:
+    def drain(self, inbound) -> None:
         # a channel's records still held back for the queue rings come before what it sent last, and must
         # be handled while its slot still knows the link (its closed record among them)
-        mine = [(link, records) for link, records in self.early if link.link_id == link_id]
+        mine = [(link, records) for link, records in self.early if link is inbound]
         if mine:
-            self.early = [(link, records) for link, records in self.early if link.link_id != link_id]
+            self.early = [(link, records) for link, records in self.early if link is not inbound]
             for link, records in mine:
                 for record in records:
                     self.on_record(link, record)
-        super().detach(link_id, now_ns, reason)
+        super().drain(inbound)
 
     def on_peer_down(self, link_id: int, reason: str) -> None:
         self.queue_links.pop(link_id, None)

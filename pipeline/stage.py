@@ -358,11 +358,13 @@ class Stage:
     def detach(self, link_id: int, now_ns: int, reason: str = "closed") -> None:
         """The process at the other end of ``link_id`` is gone: ``reason`` is "closed" (it ended as it
         should) or "crashed" (it died, or was killed)."""
-        inbound = self.in_links.get(link_id)
-        if inbound is not None:  # what the peer sent before it went away is still ours to handle
-            while (records := inbound.read()) or inbound.more:
-                for record in records:
-                    self.on_record(inbound, record)
+        gone = self.in_links.get(link_id) or self.out_links.get(link_id)
+        if gone is not None:
+            # what the peer sent before it went away is still ours to handle, on every ring from it: a
+            # queue told that its ring to a channel is down must first take the acks on the channel's
+            # ring to it, or the channel's close would put back messages the client had acked
+            for inbound in [link for link in self.in_links.values() if link.peer == gone.peer]:
+                self.drain(inbound)
         self.send_grants(self.credit.peer_down(link_id, now_ns))
         for links in (self.out_links, self.in_links):
             link = links.pop(link_id, None)
@@ -370,6 +372,12 @@ class Stage:
                 link.close()
         self.on_peer_down(link_id, reason)
         self.dirty = True
+
+    def drain(self, inbound: InLink) -> None:
+        """Handle every record waiting on ``inbound``."""
+        while (records := inbound.read()) or inbound.more:
+            for record in records:
+                self.on_record(inbound, record)
 
     def handle_tokens(self, now_ns: int) -> None:
         try:

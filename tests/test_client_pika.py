@@ -439,6 +439,28 @@ def test_a_delivery_tag_that_is_not_outstanding_closes_the_channel(amqp, case):
         assert depth(conn.channel(), q) == 2    # the first ack stands; the closed channel's others went back
 
 
+def test_an_ack_just_before_its_channel_closes_on_an_error_is_never_undone(amqp):
+    """As RabbitMQ: the refused channel's queues have taken its ack and its unacked messages back before
+    the client hears of the close, so the next channel finds exactly what was not acked, every time.
+    (creditflow once let a queue hear that the channel's process had ended before it read the ack the
+    channel had passed on, and put the acked message back, or answered the new channel's declare first.)"""
+    with connect(amqp) as conn:
+        for round_ in range(100):
+            q = amqp.name(f"ack-then-close-{round_}")
+            ch = conn.channel()
+            ch.queue_declare(q)
+            for body in (b"a", b"b", b"c"):
+                ch.basic_publish("", q, body)
+            tags = [get_one(ch, q)[0].delivery_tag for _ in range(3)]
+            ch.basic_ack(tags[0])
+            ch.basic_ack(tags[0])
+            assert refusal(ch.basic_get, q)[0] == 406
+            after = conn.channel()
+            assert (round_, depth(after, q)) == (round_, 2)
+            after.queue_delete(q)
+            after.close()
+
+
 # -- direct reply-to, update-secret, message size ----------------------------------------------------
 def test_replying_to_amq_rabbitmq_reply_to_needs_a_consumer_on_it(amqp):
     with connect(amqp) as conn:

@@ -143,3 +143,18 @@ def test_a_channel_over_channel_max_is_refused_with_530(start_broker):
         s.sendall(frame.marshal(commands.Channel.Open(), 5))
         data = read_close(s)
     assert data[7:11] == b"\x00\x0a\x00\x32" and struct.unpack(">H", data[11:13])[0] == 530
+
+
+@pytest.mark.parametrize("method, ids", [("Ack", (60, 80)), ("Reject", (60, 90)), ("Nack", (60, 120))])
+def test_an_unknown_delivery_tag_closes_the_channel_naming_the_method_that_carried_it(broker, method, ids):
+    """channel.close 406 with the class and method of the ack, reject or nack, as RabbitMQ 3.10 sends."""
+    from pamqp import commands, frame
+    with raw_amqp_connection(broker.port) as s:
+        s.sendall(frame.marshal(commands.Channel.Open(), 1))
+        s.recv(65536)                                                   # channel.open-ok
+        s.sendall(frame.marshal(getattr(commands.Basic, method)(delivery_tag=5), 1))
+        s.settimeout(5)
+        _, channel, close = frame.unmarshal(s.recv(65536))
+    assert (channel, type(close).__name__) == (1, "Close")
+    assert (close.reply_code, close.reply_text, (close.class_id, close.method_id)) == \
+        (406, "PRECONDITION_FAILED - unknown delivery tag 5", ids)
