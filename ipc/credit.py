@@ -165,6 +165,10 @@ class CreditFlow:
         self._block_started_ns: int | None = None
         self._blocked_total_ns = 0
         self._block_count = 0
+        # Called just before a send blocks this process. A receiver that counts its acks a batch at
+        # a time settles them here, so that what it received before the block is granted as if acked
+        # one by one, and only what it receives after the block is deferred.
+        self.before_block = None
 
     def set_peer_spec(self, peer, spec: CreditSpec) -> None:
         """Use ``spec`` instead of the default with ``peer`` (set it before the first message)."""
@@ -191,6 +195,8 @@ class CreditFlow:
         after = c - n
         credit[to] = after
         if c >= 1 and after <= 0:
+            if self.before_block is not None:
+                self.before_block()
             self._block(to, now_ns)
 
     def handle_bump(self, frm, amount: int, now_ns: int) -> Sequence[Grant]:

@@ -281,7 +281,10 @@ class Channel(Stage):
     # -- publishing ----------------------------------------------------------------
     def on_publish(self, record) -> None:
         if self.from_reader is not None:
-            self.send_grants(self.credit.ack(self.from_reader.link_id))
+            if self.from_reader.link_id == self.owed_from:
+                self.owed += 1
+            else:
+                self.owe(self.from_reader.link_id)
         if self.closing:
             if record[1] & wire.PUB_BODY_REF:
                 self.by_copy(record)            # lets go of the body

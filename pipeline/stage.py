@@ -272,6 +272,11 @@ class Stage:
         self.inbox = tokens.TokenReader(inbox_fd)
         self.doorbell = Doorbell(doorbell_fd)
         self.credit = CreditFlow(credit_spec)
+        # credit-bearing records received and not yet acked to the credit core: a stage counts them
+        # as it handles them and acks them once a batch (settle_owed), not once a record
+        self.owed = 0
+        self.owed_from: int | None = None       # the in-link they came on
+        self.credit.before_block = self.settle_owed
         self.out_links: dict[int, OutLink] = {}
         self.in_links: dict[int, InLink] = {}
         self.selector = Stage.selector_for(self)
@@ -324,6 +329,23 @@ class Stage:
         return None
 
     # -- plumbing --------------------------------------------------------------
+    def owe(self, link_id: int) -> None:
+        """One credit-bearing record from ``link_id``, on a link other than the one owed to so far
+        (the same link's are counted inline: ``self.owed += 1``)."""
+        if self.owed:
+            self.settle_owed()
+        self.owed_from = link_id
+        self.owed = 1
+
+    def settle_owed(self) -> None:
+        """Ack what was counted to the credit core, and send the grants that fall due. Called after
+        each batch, before tokens are read (a bump may unblock), and by the core just before a send
+        blocks: so every grant is made or deferred exactly as acking each record would."""
+        n = self.owed
+        if n:
+            self.owed = 0
+            self.send_grants(self.credit.ack(self.owed_from, n))
+
     def send_grants(self, grants) -> None:
         for grant in grants:
             link = self.in_links.get(grant.to)
@@ -358,6 +380,7 @@ class Stage:
     def detach(self, link_id: int, now_ns: int, reason: str = "closed") -> None:
         """The process at the other end of ``link_id`` is gone: ``reason`` is "closed" (it ended as it
         should) or "crashed" (it died, or was killed)."""
+        self.settle_owed()      # before peer_down forgets the link's count
         gone = self.in_links.get(link_id) or self.out_links.get(link_id)
         if gone is not None:
             # what the peer sent before it went away is still ours to handle, on every ring from it: a
@@ -378,8 +401,10 @@ class Stage:
         while (records := inbound.read()) or inbound.more:
             for record in records:
                 self.on_record(inbound, record)
+            self.settle_owed()
 
     def handle_tokens(self, now_ns: int) -> None:
+        self.settle_owed()      # a bump read now may unblock: what came before it is acked first
         try:
             toks = self.inbox.read_nowait()
         except WouldBlock:
@@ -442,6 +467,7 @@ class Stage:
                 handled += len(records)
                 for record in records:
                     self.on_record(link, record)
+                self.settle_owed()
                 self.between_batches(now_ns)
                 if not link.more or not self.can_read_more():
                     break
@@ -565,6 +591,7 @@ class Stage:
         now = time.monotonic_ns()
         self.backlog = False
         handled = self.poll_links(now)
+        self.settle_owed()      # records replayed outside a batch (a channel's, once its queue is linked)
         self.after_io(now)
         self.flush_links()
         if handled:

@@ -350,6 +350,62 @@ def test_a_batch_of_n_equals_n_single_calls(spec, steps):
         assert [one.deferred_towards(p) for p in PEERS] == [many.deferred_towards(p) for p in PEERS]
 
 
+class ForwardingStage:
+    """A channel's credit, receiving from "up" and sending each record on to "down": acking every
+    record as it comes, or counting them and acking a batch at a time, as ``Stage.settle_owed``
+    does (settled after each batch, before a bump is read, and by ``before_block``)."""
+
+    def __init__(self, spec, batched: bool):
+        self.credit, self.batched, self.owed, self.granted = CreditFlow(spec), batched, 0, 0
+        if batched:
+            self.credit.before_block = self.settle
+
+    def settle(self):
+        if self.owed:
+            self.granted += total(self.credit.ack("up", self.owed))
+            self.owed = 0
+
+    def forward(self, t):
+        if self.batched:
+            self.owed += 1
+        else:
+            self.granted += total(self.credit.ack("up"))
+        self.credit.send("down", t)
+
+    def bump(self, amount, t):
+        self.settle()
+        self.granted += total(self.credit.handle_bump("down", amount, t))
+
+
+@settings(max_examples=300)
+@given(spec=st.tuples(st.integers(1, 30), st.integers(1, 30)).filter(lambda t: t[1] <= t[0]),
+       turns=st.lists(st.tuples(st.integers(0, 60), st.integers(0, 40)), max_size=30))
+def test_acks_counted_a_batch_at_a_time_grant_and_defer_exactly_as_one_by_one(spec, turns):
+    """Batches of records forwarded downstream, bumps from downstream between them: upstream is
+    granted the same credit at every batch's end, and the same is deferred, block for block."""
+    one, batched = ForwardingStage(CreditSpec(*spec), False), ForwardingStage(CreditSpec(*spec), True)
+    for t, (records, bump) in enumerate(turns):
+        for stage in (one, batched):
+            for _ in range(records):
+                stage.forward(t)
+            stage.settle()
+        assert batched.granted == one.granted
+        assert batched.credit.statistics(t) == one.credit.statistics(t)
+        for stage in (one, batched):
+            if bump:
+                stage.bump(bump, t)
+        assert batched.granted == one.granted
+
+
+def test_a_batch_that_blocks_halfway_grants_what_came_before_the_block_and_defers_the_rest():
+    stage = ForwardingStage(CreditSpec(4, 2), batched=True)
+    for _ in range(6):              # the 4th send spends the last credit: 4 acks before it, 2 after
+        stage.forward(0)
+    stage.settle()
+    assert stage.credit.blocked
+    assert (stage.granted, stage.credit.deferred_towards("up")) == (4, 2)
+
+
 # -- the walked example: a paused queue lets exactly 4 messages past the channel --------------
 def test_walked_example_exactly_four_get_past_the_channel():
     """{2,1}, the queue paused, 100 publishes; the reader checks ``blocked`` before each send."""
