@@ -1,7 +1,8 @@
 """The channel: one process per AMQP channel, a shell over two pure cores.
 
 It takes its reader's records off a ring, acks each publish's credit as soon
-as it dequeues it (before routing, as RabbitMQ's channel does), routes it
+as it dequeues it (before routing, as RabbitMQ's channel does; counted inline
+and acked to the core once a batch, ``Stage.settle_owed``), routes it
 with its copy of the broker's routing table (``pipeline.broker.routing``,
 kept current by the supervisor) and sends it to every target queue,
 spending one credit per queue. While a queue holds it blocked it still
