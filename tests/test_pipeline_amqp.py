@@ -158,3 +158,32 @@ def test_an_unknown_delivery_tag_closes_the_channel_naming_the_method_that_carri
     assert (channel, type(close).__name__) == (1, "Close")
     assert (close.reply_code, close.reply_text, (close.class_id, close.method_id)) == \
         (406, "PRECONDITION_FAILED - unknown delivery tag 5", ids)
+
+
+def test_a_message_over_the_size_limit_closes_its_channel_after_its_unacked_messages_went_back(start_broker):
+    """The 406 for a message over --max-message-bytes comes from the connection's parser, not the
+    channel process, which is told at once: the messages the channel held unacked are ready again for
+    the next channel, every round."""
+    broker = start_broker("--max-message-bytes", "1000")
+    conn = connect(broker)
+    try:
+        for round_ in range(30):
+            q = f"oversized-{round_}"
+            ch = conn.channel()
+            ch.queue_declare(q)
+            for body in (b"a", b"b"):
+                ch.basic_publish("", q, body)
+            for _ in range(2):
+                deadline = time.monotonic() + 3
+                while ch.basic_get(q)[0] is None:
+                    assert time.monotonic() < deadline
+            ch.basic_publish("", q, b"x" * 2000)
+            with pytest.raises(pika.exceptions.ChannelClosedByBroker) as exc:
+                ch.basic_get(q)
+            assert exc.value.reply_code == 406
+            after = conn.channel()
+            assert (round_, after.queue_declare(q, passive=True).method.message_count) == (round_, 2)
+            after.queue_delete(q)
+            after.close()
+    finally:
+        conn.close()
