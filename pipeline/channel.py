@@ -1,8 +1,8 @@
 """The channel: one process per AMQP channel, a shell over two pure cores.
 
 It takes its reader's records off a ring, acks each publish's credit as soon
-as it dequeues it (before routing, as RabbitMQ's channel does; counted inline
-and acked to the core once a batch, ``Stage.settle_owed``), routes it
+as it dequeues it (before routing, as RabbitMQ's channel does; counted with
+``Stage.owe`` and acked to the core once a batch), routes it
 with its copy of the broker's routing table (``pipeline.broker.routing``,
 kept current by the supervisor) and sends it to every target queue,
 spending one credit per queue. While a queue holds it blocked it still
@@ -282,10 +282,7 @@ class Channel(Stage):
     # -- publishing ----------------------------------------------------------------
     def on_publish(self, record) -> None:
         if self.from_reader is not None:
-            if self.from_reader.link_id == self.owed_from:
-                self.owed += 1
-            else:
-                self.owe(self.from_reader.link_id)
+            self.owe(self.from_reader.link_id)
         if self.closing:
             if record[1] & wire.PUB_BODY_REF:
                 self.by_copy(record)            # lets go of the body

@@ -252,10 +252,7 @@ class Queue(Stage):
             self.on_disk(wire.decode_ids(record))
 
     def on_publish(self, link, record) -> None:
-        if link.link_id == self.owed_from:
-            self.owed += 1
-        else:
-            self.owe(link.link_id)
+        self.owe(link.link_id)
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)

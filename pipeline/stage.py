@@ -330,8 +330,10 @@ class Stage:
 
     # -- plumbing --------------------------------------------------------------
     def owe(self, link_id: int) -> None:
-        """One credit-bearing record from ``link_id``, on a link other than the one owed to so far
-        (the same link's are counted inline: ``self.owed += 1``)."""
+        """Count one credit-bearing record from ``link_id``; settle_owed acks the count to the core."""
+        if link_id == self.owed_from:
+            self.owed += 1
+            return
         if self.owed:
             self.settle_owed()
         self.owed_from = link_id

@@ -80,10 +80,7 @@ class Store(Stage):
     def on_record(self, link, record) -> None:
         kind = record[0]
         if kind == wire.Kind.WRITE:
-            if link.link_id == self.owed_from:
-                self.owed += 1
-            else:
-                self.owe(link.link_id)
+            self.owe(link.link_id)
             if self.delay_ns:
                 busy_wait_ns(self.delay_ns)
             msg_id, body = wire.decode_write(record)
