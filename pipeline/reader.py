@@ -33,9 +33,9 @@ from ipc.tokens import Kind as TokenKind
 from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies as _bodies
-from pipeline.amqp.connection import (ChannelClose, ChannelCloseOk, ChannelError, ChannelOpen, Closed,
-                                      CloseRequested, HandshakeTimeout, HeartbeatTimeout, Method, ProtocolError,
-                                      Publish, ServerConnection)
+from pipeline.amqp.connection import (BodyParts, ChannelClose, ChannelCloseOk, ChannelError, ChannelOpen,
+                                      Closed, CloseRequested, HandshakeTimeout, HeartbeatTimeout, Method,
+                                      ProtocolError, Publish, ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
 from pipeline.stage import Stage
 from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
@@ -448,9 +448,14 @@ class Reader(Stage):
         if size >= _bodies.REF_MIN_BODY_BYTES and self.arena is not None:
             at = self.arena.alloc(size, slot.out.peer_holder)     # held for the channel until it routes
             if at is not None:
-                self.arena.body(at, size)[:] = body
+                if type(body) is BodyParts:
+                    body.copy_into(self.arena.body(at, size))
+                else:
+                    self.arena.body(at, size)[:] = body
                 body = _bodies.encode_ref(self.bodies.own, at, size)
                 flags |= wire.PUB_BODY_REF
+        if type(body) is BodyParts:
+            body = bytes(body)
         slot.out.put_message(wire.encode_publish(flags, slot.seq, ev.exchange_b, ev.routing_key_b, ev.props_raw,
                                                  body))
         self.publishes += 1

@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from pamqp import body as pbody, commands, frame, header, heartbeat
 
 from pipeline.amqp import frames
-from pipeline.amqp.connection import (CLOSING_BUFFER_MAX_BYTES, ChannelClose, ChannelCloseOk, ChannelError,
-                                      ChannelOpen, Closed, CloseRequested, ConnectionStatistics, HandshakeTimeout,
-                                      HeartbeatTimeout, Method, Opened, ProtocolError, Publish, ServerConnection)
+from pipeline.amqp.connection import (CLOSING_BUFFER_MAX_BYTES, BodyParts, ChannelClose, ChannelCloseOk,
+                                      ChannelError, ChannelOpen, Closed, CloseRequested, ConnectionStatistics,
+                                      HandshakeTimeout, HeartbeatTimeout, Method, Opened, ProtocolError, Publish,
+                                      ServerConnection)
 from pipeline.amqp.errors import UsageError
 
 S = 1_000_000_000
@@ -307,6 +308,70 @@ def test_the_same_events_however_the_bytes_are_split():
         conn.receive_data(STREAM[cut:])
         got += events(conn)
         assert [summary(e) for e in got] == expected, f"split at {cut}"
+
+
+BIG_STREAM = b"".join([
+    frames.encode_publish(1, "", "a", PERSISTENT, bytes(range(256)) * 256, 131072),       # 64 KiB, one frame
+    frames.encode_publish(2, "", "b", b"\x00\x00", b"x" * 50, 131072),
+    frames.encode_publish(1, "", "c", b"\x00\x00", bytes(range(251)) * 200, 20000),       # 50,200 B, 3 frames
+    frames.encode_basic_ack(2, 9),
+])
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(cuts=st.lists(st.integers(1, len(BIG_STREAM) - 1), max_size=6))
+def test_big_bodies_taken_as_they_arrive_are_the_same_however_the_bytes_are_split(cuts):
+    whole = opened(channels=(1, 2))
+    whole.receive_data(BIG_STREAM)
+    expected = [summary(e) for e in events(whole)]
+    assert [type(e).__name__ for e in expected] == ["Publish", "Publish", "Publish", "tuple"]
+    assert [len(e.body) for e in expected[:3]] == [65536, 50, 50200]
+    conn = opened(channels=(1, 2))
+    got, at = [], 0
+    for cut in sorted(set(cuts)) + [len(BIG_STREAM)]:
+        conn.receive_data(BIG_STREAM[at:cut])
+        got += [summary(e) for e in events(conn)]
+        at = cut
+    assert got == expected
+    assert [bytes(e.body) for e in got[:3]] == [bytes(e.body) for e in expected[:3]]
+
+
+def test_a_big_body_frame_in_pieces_is_handed_on_in_those_pieces():
+    conn = opened()
+    body = bytes(range(256)) * 256
+    data = frames.encode_publish(1, "", "q", b"\x00\x00", body, 131072)
+    cut = len(data) - 30000
+    conn.receive_data(data[:cut])
+    assert events(conn) == []
+    conn.receive_data(data[cut:])
+    publish, = events(conn)
+    assert isinstance(publish.body, BodyParts) and len(publish.body) == len(body)
+    assert [len(p) for p in publish.body.pieces] == [len(body) - 29999, 29999], "no joined copy"
+    into = bytearray(len(body))
+    publish.body.copy_into(memoryview(into))
+    assert into == body and bytes(publish.body) == body
+
+
+def test_a_bad_frame_end_after_a_big_body_taken_in_pieces_is_501():
+    conn = opened()
+    data = frames.encode_publish(1, "", "q", b"\x00\x00", b"z" * 40000, 131072)
+    conn.receive_data(data[:20000])
+    assert events(conn) == []
+    conn.receive_data(data[20000:-1] + b"\x00" + frames.encode_basic_ack(1, 1))
+    close = closed_with(conn, 501)
+    assert "invalid_frame_end_marker" in close.reply_text and "type 3" in close.reply_text
+    assert conn.next_event(0) is None and conn.state == "closing"
+
+
+def test_a_channel_closed_by_the_client_is_not_taken_mid_body():
+    """Frames cannot interleave inside a frame: bytes that arrive mid-body are body, whatever they look like."""
+    conn = opened(channels=(1, 2))
+    body = m(1, commands.Channel.Close(200, "bye", 0, 0)) * 1000
+    data = frames.encode_publish(1, "", "q", b"\x00\x00", body, 131072)
+    conn.receive_data(data[:100])
+    conn.receive_data(data[100:])
+    publish, = events(conn)
+    assert bytes(publish.body) == body and conn.channel_state(1) == "open"
 
 
 # -- bad input, and the reply code for it ---------------------------------------------------------------------

@@ -73,12 +73,45 @@ SERVER_CAPABILITIES = ("publisher_confirms", "exchange_exchange_bindings", "basi
                        "per_consumer_qos", "direct_reply_to")
 CHANNEL_MAX_NO_LIMIT = 65535
 VIEW_BODY_MIN_BYTES = 2048          # a Publish carries a body of this size or more as a view, not a copy
+STREAM_BODY_MIN_BYTES = 16384       # a body frame this big is taken as its bytes arrive, not joined whole first
 FRAME_SIZE_SLACK_BYTES = 8          # RabbitMQ accepts frames up to 8 bytes over frame_max - 8
 HEARTBEAT_MISSES_ALLOWED = 2        # a client silent for more than 2 intervals has timed out
 NS_PER_S = 1_000_000_000
 CLOSING_BUFFER_MAX_BYTES = 1024 * 1024  # unparsed input kept while waiting for the client's close-ok
 
 # -- events ------------------------------------------------------------------------------------
+
+
+class BodyParts:
+    """A body that arrived in pieces (views of the bytes read, in order), handed on unjoined.
+
+    Like a view, use it at once: ``copy_into`` writes it where it goes in
+    one copy; ``bytes()`` joins it for whoever needs one buffer.
+    """
+
+    __slots__ = ("pieces", "size")
+
+    def __init__(self, pieces: list, size: int):
+        self.pieces = pieces
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
+
+    def __eq__(self, other) -> bool:
+        return bytes(self) == (bytes(other) if isinstance(other, BodyParts) else other)
+
+    __hash__ = None
+
+    def copy_into(self, dest: memoryview) -> None:
+        at = 0
+        for piece in self.pieces:
+            end = at + len(piece)
+            dest[at:end] = piece
+            at = end
 
 
 class Publish(NamedTuple):
@@ -95,7 +128,7 @@ class Publish(NamedTuple):
     routing_key_b: bytes
     mandatory: bool
     props_raw: bytes
-    body: bytes | memoryview       # a view of the bytes read when VIEW_BODY_MIN_BYTES or more: use it at once
+    body: bytes | memoryview | BodyParts   # VIEW_BODY_MIN_BYTES or more: views of the bytes read, use at once
     delivery_mode: int | None
 
     @property
@@ -336,6 +369,9 @@ class ServerConnection:
         self._chunks: list[bytes] = []      # received after _buf, not joined to it yet
         self._chunk_bytes = 0
         self._need_bytes = 0                # _buf must hold this much from _pos before parsing can go on
+        self._stream_left = 0               # a big body frame being taken as it arrives: payload left + frame end
+        self._stream_channel = 0
+        self._stream_head = b""
         self._out: list[bytes] = []
         self._eof = False
         self._desynced = False
@@ -382,9 +418,12 @@ class ServerConnection:
             self._join()
 
     def _join(self) -> None:
-        if self._chunks:
-            self._buf = b"".join((self._buf[self._pos:], *self._chunks)) if self._pos or self._buf else (
-                b"".join(self._chunks))
+        chunks = self._chunks
+        if chunks:
+            if self._pos < len(self._buf):
+                self._buf = b"".join((self._buf[self._pos:], *chunks))
+            else:                               # nothing left over: one chunk is taken as it is, not copied
+                self._buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
             self._pos = 0
             self._chunks.clear()
             self._chunk_bytes = 0
@@ -472,6 +511,18 @@ class ServerConnection:
                 return self._drop("peer closed the connection") if self._eof else None
             pos = self._pos
             buf = self._buf
+            if self._stream_left:
+                if pos == len(buf):
+                    self._need_bytes = 1
+                    return None
+                try:
+                    event = self._stream_body(buf, pos)
+                except FrameError as err:
+                    self._desynced = True
+                    return self._hard(err)
+                if event is not None:
+                    return event
+                continue
             if self.state == "open":
                 if len(buf) - pos > 13 and buf[pos] == 1:
                     event = self._whole_publish(buf, pos)
@@ -512,11 +563,49 @@ class ServerConnection:
         if have < frames.FRAME_HEADER_BYTES:
             self._need_bytes = frames.FRAME_HEADER_BYTES
         else:
-            self._need_bytes = frames.FRAME_OVERHEAD_BYTES + _FRAME_HEAD.unpack_from(buf, pos)[2]
+            ftype, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
+            if ftype == 3 and size >= STREAM_BODY_MIN_BYTES and self._streams(channel, size):
+                self._pos = pos + frames.FRAME_HEADER_BYTES
+                self._stream_left = size + 1
+                self._stream_channel = channel
+                self._stream_head = bytes(buf[self._pos:self._pos + 16])   # for a frame error's text
+                return True
+            self._need_bytes = frames.FRAME_OVERHEAD_BYTES + size
         if self._chunks and have + self._chunk_bytes >= self._need_bytes:
             self._join()
             return True
         return False
+
+    def _streams(self, channel: int, size: int) -> bool:
+        """Whether a body frame of ``size`` on ``channel`` may be taken as it arrives: only one the whole-frame
+        path would take without complaint (an open connection and channel, a publish whose header came and
+        whose size it fits), so every error is still reported by that path, with the whole frame in."""
+        if self.state != "open" or self._channels.get(channel) not in _CH_ACCEPTING:
+            return False
+        asm = self._assembly.get(channel)
+        return asm is not None and asm.size >= 0 and not asm.oversized and asm.got + size <= asm.size
+
+    def _stream_body(self, buf: bytes, pos: int):
+        """Take what has arrived of the body frame being streamed; the Publish once its last byte is in."""
+        left = self._stream_left
+        n = min(left, len(buf) - pos)
+        take = min(n, left - 1)                 # payload bytes; the last of ``left`` is the frame-end octet
+        asm = self._assembly.get(self._stream_channel)  # gone if the channel or connection closed meanwhile
+        if take and asm is not None:
+            asm.parts.append(memoryview(buf)[pos:pos + take])
+            asm.got += take
+        self._pos = pos + n
+        self._stream_left = left = left - n
+        if left:
+            return None
+        if buf[pos + n - 1] != frames.FRAME_END:
+            raise FrameError(E.FRAME_ERROR, f"FRAME_ERROR - type 3, first 16 octets = "
+                                            f"{E.erlang_binary(self._stream_head)}: "
+                                            f"{{invalid_frame_end_marker,{buf[pos + n - 1]}}}")
+        self.frames_in += 1
+        if asm is not None and asm.got == asm.size and self.state == "open":
+            return self._complete(self._stream_channel, asm)
+        return None
 
     def _protocol_header(self) -> Event | None:
         """Check the 8-byte protocol header; None once it is good (or while it is incomplete)."""
@@ -850,7 +939,7 @@ class ServerConnection:
             raise FrameError(E.FRAME_ERROR, reply_text(E.FRAME_ERROR, "content body frame exceeds remaining "
                                                                       "content size"), *frames.BASIC_PUBLISH)
         if not asm.oversized:
-            asm.parts.append(bytes(buf[ps:pe]))
+            asm.parts.append(bytes(buf[ps:pe]) if pe - ps < VIEW_BODY_MIN_BYTES else memoryview(buf)[ps:pe])
         return self._complete(channel, asm) if asm.got == asm.size else None
 
     def _complete(self, channel: int, asm: _Assembly):
@@ -860,7 +949,12 @@ class ServerConnection:
                 E.PRECONDITION_FAILED, f"message size {asm.size} is larger than configured max size "
                                        f"{self.max_message_bytes}"), *frames.BASIC_PUBLISH)
         parts = asm.parts
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if len(parts) == 1:
+            body = parts[0]
+        elif asm.size >= VIEW_BODY_MIN_BYTES:
+            body = BodyParts(parts, asm.size)
+        else:
+            body = b"".join(parts)
         self.publishes += 1
         return _new_publish(Publish, (channel, asm.exchange, asm.routing_key, asm.mandatory, asm.props_raw, body,
                                       asm.delivery_mode))
