@@ -365,7 +365,7 @@ class Channel(Stage):
         if flags != record[1]:
             record = bytearray(record)
             record[1] = flags
-        now = time.monotonic_ns()
+        now = self.batch_ns or time.monotonic_ns()
         for q in linked:
             q.out.put_message(record)
             self.credit.send(q.out.link_id, now)

@@ -288,7 +288,7 @@ class Queue(Stage):
             room = self.batch_room
             if room is None:
                 room = self.batch_room = self.room()
-        self.do(core.publish(msg, time.monotonic_ns(), safe=not keep, room=room))
+        self.do(core.publish(msg, self.batch_ns or time.monotonic_ns(), safe=not keep, room=room))
 
     # -- bodies by reference ---------------------------------------------------------------
     def hold(self, record) -> Held:
@@ -297,7 +297,7 @@ class Queue(Stage):
         entry = arena.entry_of(at, self.holder) if self.holder else -1
         if entry < 0:           # its bytes may be another message's by now: never read them
             raise bodies.NotHolder(f"{self.name} got a body by reference at {at} with no word of its own")
-        return Held(record, arena, at, entry, time.monotonic_ns())
+        return Held(record, arena, at, entry, self.batch_ns or time.monotonic_ns())
 
     def let_go(self, payload) -> bytes:
         """The payload as a record carrying its own body; this queue's word in the slot is cleared."""

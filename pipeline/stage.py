@@ -276,6 +276,7 @@ class Stage:
         # as it handles them and acks them once a batch (settle_owed), not once a record
         self.owed = 0
         self.owed_from: int | None = None       # the in-link they came on
+        self.batch_ns = 0                       # the clock at the batch being handled (0: outside poll_links)
         self.credit.before_block = self.settle_owed
         self.out_links: dict[int, OutLink] = {}
         self.in_links: dict[int, InLink] = {}
@@ -457,6 +458,15 @@ class Stage:
         credit bumps read, as Erlang processes interleave: a slow stage's receivers see its
         output and grant credit back while it works through a backlog, so only the stage that
         is really behind runs out of credit."""
+        self.batch_ns = now_ns
+        try:
+            return self.read_in_links(now_ns)
+        finally:
+            self.batch_ns = 0
+
+    def read_in_links(self, now_ns: int) -> int:
+        """``poll_links``'s loop; ``batch_ns`` is the clock at the batch in hand, read once a batch (what
+        a record's handling takes for "now" instead of reading the clock itself)."""
         handled = 0
         batch = self.read_batch
         for link in list(self.in_links.values()):
@@ -475,7 +485,7 @@ class Stage:
                     break
                 if batch < READ_BATCH_RECORDS:
                     self.flush_links()     # a slow stage: show the receivers what it has done
-                now = time.monotonic_ns()
+                self.batch_ns = now = time.monotonic_ns()
                 self.handle_tokens(now)
                 if now - now_ns >= TURN_BUDGET_NS:
                     # A sender that never lets up must not starve the rest of the turn (a queue's
