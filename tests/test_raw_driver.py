@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
@@ -27,3 +30,30 @@ def test_it_publishes_and_counts_what_the_consumer_received_in_the_window(broker
     assert confirmed["overrun"] is False               # with credit flow the publisher never ran far ahead
     assert broker.wait_for(lambda s: "raw-plain" not in s["queues"] and "raw-confirmed" not in s["queues"],
                            what="the runs' queues gone with their consumers")   # auto-delete: no leftover backlog
+
+
+def cpu_per_message():
+    loader = importlib.machinery.SourceFileLoader("cpu_per_message", str(ROOT / "scripts" / "cpu_per_message"))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_cpu_per_message_reads_the_broker_s_cpu_inside_the_publishing_window(broker):
+    """scripts/cpu_per_message's run: a paced load the consumer keeps up with, and the CPU of the broker's
+    processes (the supervisor and everything under it) per message delivered in the window."""
+    script = cpu_per_message()
+    assert script.cpu_seconds(broker.proc.pid) > 0
+    row = script.one_run(broker.port, broker.proc.pid, size=100, rate=2000, seconds=4)
+    assert row["kept_up"] and row["delivered"] >= 1900
+    assert 1 < row["us_per_msg"] < 100_000, row
+
+
+@pytest.mark.parametrize("args", [["--sizes", "100,4096", "--rates", "1000"], ["--rates", "fast"],
+                                  ["--seconds", "2"]])
+def test_cpu_per_message_refuses_bad_options_before_it_starts_anything(args):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cpu_per_message"), *args], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "cpu_per_message" in proc.stderr
