@@ -363,6 +363,47 @@ def test_a_bad_frame_end_after_a_big_body_taken_in_pieces_is_501():
     assert conn.next_event(0) is None and conn.state == "closing"
 
 
+def test_a_big_body_whose_rest_was_collected_behind_a_bigger_frame_is_not_left_waiting():
+    """Bytes collected while a bigger frame was awaited are parsed once a big body frame is being taken,
+    with no further read: a publish whose last bytes are in must come out."""
+    conn = opened(channels=(1, 2, 3))
+    conn.close_channel(1, 406, "PRECONDITION_FAILED - test")
+    replies(conn)
+    dropped = frames.encode_publish(1, "", "q", b"\x00\x00", b"d" * 100000, 131072)    # dropped: channel closing
+    conn.receive_data(dropped[:50000])
+    assert events(conn) == []                   # now waiting for the whole 100,008-byte frame
+    conn.receive_data(dropped[50000:] + frames.encode_basic_ack(3, 1))
+    big = frames.encode_publish(2, "", "q", b"\x00\x00", bytes(range(250)) * 80, 131072)
+    conn.receive_data(big[:300])
+    assert summary(conn.next_event(0))[:4] == ("Method", 3, 60, 80)
+    conn.receive_data(big[300:])
+    publish, = events(conn)
+    assert publish.channel == 2 and bytes(publish.body) == bytes(range(250)) * 80
+
+
+def test_the_peer_closing_in_the_middle_of_a_big_body_frame_is_reported():
+    conn = opened()
+    conn.receive_data(frames.encode_publish(1, "", "q", b"\x00\x00", b"z" * 20000, 131072)[:500])
+    assert events(conn) == []
+    conn.receive_data(b"")
+    ev = conn.next_event(0)
+    assert isinstance(ev, Closed) and "in the middle of a frame" in ev.reason and conn.state == "closed"
+
+
+def test_a_bad_frame_end_after_a_big_body_names_its_first_16_octets_however_it_arrived():
+    data = frames.encode_publish(1, "", "q", b"\x00\x00", bytes(range(100)) * 400, 131072)
+    body_at = len(data) - 40000 - 8
+    texts = set()
+    for cut in (body_at + 7, body_at + 12, body_at + 40):     # after the frame header: taken in pieces
+        conn = opened()
+        conn.receive_data(data[:cut])
+        assert events(conn) == []
+        conn.receive_data(data[cut:-1] + b"\x00")
+        texts.add(closed_with(conn, 501).reply_text)
+    text, = texts
+    assert "first 16 octets" in text and "invalid_frame_end_marker" in text
+
+
 def test_a_channel_closed_by_the_client_is_not_taken_mid_body():
     """Frames cannot interleave inside a frame: bytes that arrive mid-body are body, whatever they look like."""
     conn = opened(channels=(1, 2))

@@ -513,6 +513,11 @@ class ServerConnection:
             buf = self._buf
             if self._stream_left:
                 if pos == len(buf):
+                    if self._chunks:            # collected while waiting for an earlier, bigger frame
+                        self._join()
+                        continue
+                    if self._eof:
+                        return self._drop("peer closed the connection in the middle of a frame")
                     self._need_bytes = 1
                     return None
                 try:
@@ -568,7 +573,7 @@ class ServerConnection:
                 self._pos = pos + frames.FRAME_HEADER_BYTES
                 self._stream_left = size + 1
                 self._stream_channel = channel
-                self._stream_head = bytes(buf[self._pos:self._pos + 16])   # for a frame error's text
+                self._stream_head = b""         # its first 16 octets, as they come, for a frame error's text
                 return True
             self._need_bytes = frames.FRAME_OVERHEAD_BYTES + size
         if self._chunks and have + self._chunk_bytes >= self._need_bytes:
@@ -591,6 +596,9 @@ class ServerConnection:
         n = min(left, len(buf) - pos)
         take = min(n, left - 1)                 # payload bytes; the last of ``left`` is the frame-end octet
         asm = self._assembly.get(self._stream_channel)  # gone if the channel or connection closed meanwhile
+        head = self._stream_head
+        if take and len(head) < 16:
+            self._stream_head = head + bytes(buf[pos:pos + min(take, 16 - len(head))])
         if take and asm is not None:
             asm.parts.append(memoryview(buf)[pos:pos + take])
             asm.got += take
