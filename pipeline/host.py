@@ -52,7 +52,7 @@ import traceback
 from ipc import control
 from ipc.credit import CreditSpec
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
-from pipeline.broker import bodies
+from pipeline.broker import bodies, collector
 from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, STATS_INTERVAL_MS, Stage
 
 EXIT_STAGE_CRASHED = 70
@@ -213,8 +213,10 @@ class Host:
     def run(self) -> int:
         select = self.selector.select
         arena = self.arena
+        collect = collector.install()
         while not (self.stopping and not self.stages):
             now = time.monotonic_ns()
+            collect(now)
             if self.ready:
                 timeout = 0.0
             elif self.timers:

@@ -34,6 +34,7 @@ from ipc.credit import CreditFlow, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
+from pipeline.broker import collector
 from pipeline.telemetry.schema import LinkStats, StageStats
 
 STATS_INTERVAL_MS = 100
@@ -556,8 +557,11 @@ class Stage:
     def run(self) -> int:
         """A process of its own: sleep in select until an endpoint is ready, then take a turn."""
         select = self.selector.select
+        collect = collector.install()
         while self.running:
-            for key, _ in select(self.wait_timeout(time.monotonic_ns())):
+            now = time.monotonic_ns()
+            collect(now)
+            for key, _ in select(self.wait_timeout(now)):
                 self.on_endpoint(key.data, key)
             self.turn()
         self.shutdown()
