@@ -264,8 +264,9 @@ class Queue(Stage):
                 payload = record = self.let_go(payload)     # journaled: from its own bytes
                 flags &= ~wire.PUB_BODY_REF
         body_size = wire.content_body_len(record) if type(payload) is not Held else bodies.decode_ref(record)[2]
-        expiration = None
-        priority, raw_expiration = props.priority_expiration(wire.content_props(record))
+        priority = expiration = raw_expiration = None
+        if wire.content_prop_flags(record) & props.PRIORITY_OR_EXPIRATION:
+            priority, raw_expiration = props.priority_expiration(wire.content_props(record))
         if raw_expiration is not None:
             try:
                 expiration = parse_expiration(raw_expiration)

@@ -83,6 +83,7 @@ _DELIVER_HEAD = struct.Struct("<BBHQB")      # kind, flags, channel, msg_id, cta
 _GET_OK_HEAD = struct.Struct("<BBHQIB")      # kind, flags, channel, msg_id, message_count, ctaglen
 _ACK_HEAD = struct.Struct("<BBB")            # kind, flags, qlen
 _U32 = struct.Struct("<I")
+_PROP_FLAGS = struct.Struct(">H")        # AMQP property flags, network order
 _U64 = struct.Struct("<Q")
 
 PUBLISH_CONTENT_OFFSET = _PUBLISH_HEAD.size
@@ -151,6 +152,15 @@ def content_props(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> memoryview:
     o += 1 + rec[o]
     (plen,) = _U32.unpack_from(rec, o)
     return memoryview(rec)[o + 4:o + 4 + plen]
+
+
+def content_prop_flags(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
+    """The property flags of a record's content (0 with no properties): which properties it carries,
+    read without making a view."""
+    o = offset + 1 + rec[offset]
+    o += 1 + rec[o]
+    (plen,) = _U32.unpack_from(rec, o)
+    return _PROP_FLAGS.unpack_from(rec, o + 4)[0] if plen >= 2 else 0
 
 
 def content_body_len(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:

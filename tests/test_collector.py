@@ -13,26 +13,27 @@ def test_a_full_collection_is_followed_by_a_freeze_and_younger_ones_are_not():
     c = Collector(0, thaw_every_ns=60 * S)
     c.collected(0)
     c.collected(1)
-    assert c.step(1 * S, frozen=0) is None
+    assert c.step(1 * S) is None
     c.collected(FULL)
-    assert c.step(2 * S, frozen=0) == "freeze"
-    assert c.step(3 * S, frozen=500) is None          # once per full collection
+    assert c.step(2 * S) == "freeze"
+    assert c.step(3 * S) is None          # once per full collection
 
 
-def test_a_thaw_comes_every_interval_while_something_is_frozen():
+def test_a_thaw_comes_every_interval():
     c = Collector(0, thaw_every_ns=60 * S)
-    assert c.step(59 * S, frozen=500) is None
-    assert c.step(60 * S, frozen=500) == "thaw"
-    assert c.step(61 * S, frozen=500) is None
-    assert c.step(120 * S, frozen=0) is None          # nothing frozen: nothing to thaw
-    assert c.step(180 * S, frozen=7) == "thaw"        # the interval runs on from the last due time
+    assert c.step(59 * S) is None
+    assert c.step(60 * S) == "thaw"
+    assert c.step(61 * S) is None
+    assert c.step(125 * S) == "thaw"
+    assert c.step(180 * S) is None        # the next is 60 s after the last one done
+    assert c.step(185 * S) == "thaw"
 
 
 def test_a_freeze_waiting_goes_before_a_thaw_due():
     c = Collector(0, thaw_every_ns=60 * S)
     c.collected(FULL)
-    assert c.step(60 * S, frozen=10) == "freeze"
-    assert c.step(60 * S, frozen=10) == "thaw"
+    assert c.step(60 * S) == "freeze"
+    assert c.step(60 * S) == "thaw"
 
 
 def test_with_the_real_collector_objects_stay_alive_and_a_frozen_cycle_is_collected_once_thawed():

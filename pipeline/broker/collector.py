@@ -44,15 +44,14 @@ class Collector:
         if generation == FULL:
             self.full_done = True
 
-    def step(self, now_ns: int, frozen: int) -> str | None:
-        """``"freeze"``, ``"thaw"`` or None, given how many objects are frozen now."""
+    def step(self, now_ns: int) -> str | None:
+        """``"freeze"``, ``"thaw"`` or None (a thaw with nothing frozen costs nothing)."""
         if self.full_done:
             self.full_done = False
             return "freeze"
         if now_ns >= self.next_thaw_ns:
             self.next_thaw_ns = now_ns + self.thaw_every_ns
-            if frozen:
-                return "thaw"
+            return "thaw"
         return None
 
 
@@ -69,7 +68,7 @@ def install(thaw_every_ns: int = THAW_EVERY_NS) -> Callable[[int], None]:
     def step(now_ns: int) -> None:
         if not collector.full_done and now_ns < collector.next_thaw_ns:
             return                  # the common case, without a call
-        action = collector.step(now_ns, gc.get_freeze_count())
+        action = collector.step(now_ns)     # (gc.get_freeze_count walks the frozen list: not asked)
         if action == "freeze":
             gc.freeze()
         elif action == "thaw":

@@ -48,6 +48,7 @@ PROPERTIES = (("content_type", 0x8000, SHORTSTR), ("content_encoding", 0x4000, S
               ("type", 0x0020, SHORTSTR), ("user_id", 0x0010, SHORTSTR), ("app_id", 0x0008, SHORTSTR),
               ("cluster_id", 0x0004, SHORTSTR))
 PRIORITY_BIT, EXPIRATION_BIT, HEADERS_BIT, REPLY_TO_BIT = 0x0800, 0x0100, 0x2000, 0x0200
+PRIORITY_OR_EXPIRATION = PRIORITY_BIT | EXPIRATION_BIT
 
 
 def read(props_raw, names=None) -> dict:
@@ -85,7 +86,7 @@ def read(props_raw, names=None) -> dict:
 
 def priority_expiration(props_raw) -> tuple[int | None, bytes | None]:
     """(priority, expiration) of a message; from the flags alone when it carries neither."""
-    if len(props_raw) < 2 or not _U16.unpack_from(props_raw, 0)[0] & (PRIORITY_BIT | EXPIRATION_BIT):
+    if len(props_raw) < 2 or not _U16.unpack_from(props_raw, 0)[0] & PRIORITY_OR_EXPIRATION:
         return None, None
     got = read(props_raw, ("priority", "expiration"))
     return got.get("priority"), got.get("expiration")
