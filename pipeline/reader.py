@@ -189,6 +189,7 @@ class Reader(Stage):
         self.quiet_until_ns = 0              # a refused login is answered (or dropped) only then
         self.publishes = 0
         self.deliveries = 0
+        self.templates = frames.DeliverTemplates()
         self.recv_oct = 0                    # bytes read from the socket (one add per recv, not per frame)
         self.send_oct = 0
         self.client_properties: ClientProperties | None = None   # from the first snapshot after start-ok
@@ -616,7 +617,7 @@ class Reader(Stage):
                 self.on_channel_control(link, msg)
 
     def on_deliver(self, link, record) -> None:
-        flags, channel, msg_id, ctag, off = wire.decode_deliver(record)
+        flags, channel, msg_id, names_at, props_at, body_at = wire.deliver_offsets(record)
         slot = self.channels.get(channel)
         if slot is None:
             if flags & wire.DLV_BODY_REF:
@@ -629,23 +630,31 @@ class Reader(Stage):
             slot.unacked[tag] = (link.link_id, msg_id)
             if slot.limit is not None:
                 slot.limit.used(link.link_id)
-        names, props, body = wire.content_named_views(record, off)
+        mv = memoryview(record)
+        names, props, body = mv[names_at:props_at - 4], mv[props_at:body_at], mv[body_at:]
+        redelivered = bool(flags & wire.DLV_REDELIVERED)
         if flags & wire.DLV_BODY_REF:
             a, at, size, entry = _bodies.decode_ref(body)
             self.queued_bytes += size
             arena = self.bodies.arenas[a]
             loan = (arena, at, entry)
-            if self.conn.send_parts(*frames.deliver_parts(channel, ctag, tag, bool(flags & wire.DLV_REDELIVERED),
-                                                          names, props,
+            if self.conn.send_parts(*frames.deliver_parts(channel, bytes(record[wire.DELIVER_CTAG_AT + 1:names_at]),
+                                                          tag, redelivered, names, props,
                                                           arena.body(at, size), self.conn.frame_max)):
                 self.loans.append(loan)
             else:
                 arena.give_back(at, entry)
         else:
-            self.queued_bytes += len(body)
-            self.conn.send_frames(*frames.encode_deliver_names(channel, ctag, tag,
-                                                               bool(flags & wire.DLV_REDELIVERED), names, props,
-                                                               body, self.conn.frame_max))
+            size = len(body)
+            self.queued_bytes += size
+            frame_max = self.conn.frame_max
+            if size and (not frame_max or size <= frame_max - frames.FRAME_OVERHEAD_BYTES):
+                self.conn.send_frames(self.templates.encode(channel, bytes(record[wire.DELIVER_CTAG_AT:names_at]),
+                                                            tag, redelivered, names, props, body), 3)
+            else:
+                self.conn.send_frames(*frames.encode_deliver_names(
+                    channel, bytes(record[wire.DELIVER_CTAG_AT + 1:names_at]), tag, redelivered, names, props, body,
+                    frame_max))
         self.deliveries += 1
 
     def on_get_ok(self, link, record) -> None:

@@ -192,6 +192,21 @@ def encode_deliver(flags: int, channel: int, msg_id: int, consumer_tag: bytes, c
                      consumer_tag, content))
 
 
+DELIVER_CTAG_AT = _DELIVER_HEAD.size - 1       # the consumer tag's length byte: rec[12:names_at] is its shortstr
+
+
+def deliver_offsets(rec) -> tuple[int, int, int, int, int, int]:
+    """(flags, channel, msg_id, names_at, props_at, body_at) of a DELIVER record, without copying: the
+    consumer tag as its AMQP shortstr is ``rec[DELIVER_CTAG_AT:names_at]``, the exchange and routing key as
+    theirs ``rec[names_at:props_at - 4]``, the properties ``rec[props_at:body_at]``, the body the rest."""
+    _, flags, channel, msg_id, ctaglen = _DELIVER_HEAD.unpack_from(rec, 0)
+    names_at = _DELIVER_HEAD.size + ctaglen
+    o = names_at + 1 + rec[names_at]
+    o += 1 + rec[o]
+    props_at = o + 4
+    return flags, channel, msg_id, names_at, props_at, props_at + _U32.unpack_from(rec, o)[0]
+
+
 def decode_deliver(rec) -> tuple[int, int, int, bytes, int]:
     """(flags, channel, msg_id, consumer_tag, content_offset) of a DELIVER record."""
     _, flags, channel, msg_id, ctaglen = _DELIVER_HEAD.unpack_from(rec, 0)

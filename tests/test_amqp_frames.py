@@ -91,6 +91,31 @@ def test_deliver_and_content_are_byte_identical_to_pamqp(props, body):
     assert frames.encode_content(9, raw, body, FRAME_MAX) == pamqp_content(9, props, body, FRAME_MAX)
 
 
+@given(channel=st.integers(1, 65535), ctag=st.binary(min_size=0, max_size=255),
+       exchange=st.binary(max_size=255), routing_key=st.binary(max_size=255), props=st.binary(max_size=300),
+       body=st.binary(min_size=1, max_size=3000), tag=st.integers(1, 2 ** 64 - 1), redelivered=st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_a_delivery_from_its_template_is_byte_identical_to_the_frames_encoded_whole(
+        channel, ctag, exchange, routing_key, props, body, tag, redelivered):
+    """What a reader sends for a queue's DELIVER record: from the record's own bytes, through a template
+    kept per consumer, the same frames as encoding the delivery whole (and as pamqp, above)."""
+    from pipeline import wire
+
+    content = wire.encode_publish(0, 1, exchange, routing_key, props, body)[wire.PUBLISH_CONTENT_OFFSET:]
+    record = wire.encode_deliver(wire.DLV_REDELIVERED if redelivered else 0, channel, 77, ctag, content)
+    flags, ch, msg_id, names_at, props_at, body_at = wire.deliver_offsets(record)
+    assert (flags, ch, msg_id) == (wire.DLV_REDELIVERED if redelivered else 0, channel, 77)
+    assert bytes(record[props_at:body_at]) == props and bytes(record[body_at:]) == body
+    templates = frames.DeliverTemplates()
+    for _ in range(2):                      # the template made, then the template kept
+        got = templates.encode(channel, bytes(record[wire.DELIVER_CTAG_AT:names_at]), tag, redelivered,
+                               memoryview(record)[names_at:props_at - 4], memoryview(record)[props_at:body_at],
+                               memoryview(record)[body_at:])
+        whole = frames.encode_deliver(channel, ctag, tag, redelivered, exchange, routing_key, props, body, 0)
+        assert got == whole
+        assert frames.count_frames(got) == 3
+
+
 @pytest.mark.parametrize("multiple", [False, True])
 def test_basic_ack_is_byte_identical_to_pamqp(multiple):
     assert frames.encode_basic_ack(3, 12345, multiple) == frame.marshal(commands.Basic.Ack(12345, multiple), 3)

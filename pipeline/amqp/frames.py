@@ -418,6 +418,36 @@ def deliver_parts(channel: int, consumer_tag, delivery_tag: int, redelivered: bo
     return head + _content_parts(channel, props_raw, body, frame_max), 2 + -(-size // chunk)
 
 
+_HEADER_AFTER_END = struct.Struct(">BBHIHHQ")       # the method frame's end, then the header frame's head
+_BODY_AFTER_END = struct.Struct(">BBHI")            # the header frame's end, then the body frame's head
+DELIVER_TEMPLATES_KEPT = 1024
+
+
+class DeliverTemplates:
+    """basic.deliver from a template: what every delivery to one consumer shares (the method frame's head,
+    its size and the consumer tag, for one length of exchange and routing key) is packed once and kept,
+    and a delivery adds its tag, names, properties and body. Byte for byte ``encode_deliver_names``, for
+    a body that fits one frame (and is not empty)."""
+
+    def __init__(self):
+        self.heads: dict = {}
+
+    def encode(self, channel: int, ctag_sstr: bytes, delivery_tag: int, redelivered: bool, names, props_raw,
+               body) -> bytes:
+        """The three frames; ``ctag_sstr`` and ``names`` are shortstrs as they came (see ``deliver_offsets``)."""
+        key = (channel, ctag_sstr, len(names))
+        head = self.heads.get(key)
+        if head is None:
+            if len(self.heads) >= DELIVER_TEMPLATES_KEPT:
+                self.heads.clear()
+            head = self.heads[key] = _DELIVER_HEAD.pack(1, channel, 13 + len(ctag_sstr) + len(names),
+                                                        60, 60) + ctag_sstr
+        size = len(body)
+        return b"".join((head, _TAG_BITS.pack(delivery_tag, 1 if redelivered else 0), names,
+                         _HEADER_AFTER_END.pack(FRAME_END, 2, channel, 12 + len(props_raw), 60, 0, size), props_raw,
+                         _BODY_AFTER_END.pack(FRAME_END, 3, channel, size), body, _END))
+
+
 def encode_get_ok(channel: int, delivery_tag: int, redelivered: bool, exchange, routing_key, message_count: int,
                   props_raw, body, frame_max: int) -> bytes:
     """basic.get-ok method, header and body frames; names go out as the bytes they came in."""
