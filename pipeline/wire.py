@@ -130,15 +130,6 @@ def content_views(rec, offset: int) -> tuple[bytes, bytes, memoryview, memoryvie
     return exchange, routing_key, mv[o:o + plen], mv[o + plen:]
 
 
-def content_named_views(rec, offset: int) -> tuple[memoryview, memoryview, memoryview]:
-    """(exchange and routing key as their two shortstrs, props, body) of a record's content, all views."""
-    mv = memoryview(rec)
-    o = offset + 1 + rec[offset]
-    o += 1 + rec[o]
-    (plen,) = _U32.unpack_from(rec, o)
-    return mv[offset:o], mv[o + 4:o + 4 + plen], mv[o + 4 + plen:]
-
-
 def content_route(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, bytes]:
     """(exchange, routing_key) of a record's content, without copying the body."""
     exlen = rec[offset]
@@ -205,13 +196,6 @@ def deliver_offsets(rec) -> tuple[int, int, int, int, int, int]:
     o += 1 + rec[o]
     props_at = o + 4
     return flags, channel, msg_id, names_at, props_at, props_at + _U32.unpack_from(rec, o)[0]
-
-
-def decode_deliver(rec) -> tuple[int, int, int, bytes, int]:
-    """(flags, channel, msg_id, consumer_tag, content_offset) of a DELIVER record."""
-    _, flags, channel, msg_id, ctaglen = _DELIVER_HEAD.unpack_from(rec, 0)
-    o = _DELIVER_HEAD.size
-    return flags, channel, msg_id, bytes(rec[o:o + ctaglen]), o + ctaglen
 
 
 def encode_get_ok(flags: int, channel: int, msg_id: int, message_count: int, content) -> bytes:
