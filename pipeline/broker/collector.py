@@ -3,9 +3,9 @@
 A queue with a deep backlog holds a Python object or two per message, and the
 collector's full collections walk every one of them. Python starts one each
 time the objects that lived through the younger collections grow by a quarter
-of those that lived through the last full one, so a backlog growing to 650,000
-messages brought 22 full collections over 14 s, each over the whole backlog:
-3.2 s of the queue process's time (about a quarter of it), which the queue
+of those that lived through the last full one, so a backlog growing to 707,000
+messages brought 21 full collections over 14 s, each over the whole backlog:
+3.1 s of the queue process's time (about a quarter of it), which the queue
 then did not spend delivering.
 
 Here, once a full collection has finished, everything it left is frozen
