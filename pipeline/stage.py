@@ -29,7 +29,7 @@ import select
 import selectors
 import time
 
-from ipc import control, shm, tokens
+from ipc import control, peers, shm, tokens
 from ipc.credit import CreditFlow, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import PeerGone, WouldBlock
@@ -98,7 +98,7 @@ class OutLink:
     (this process's memory, like a growing Erlang mailbox) until the receiver
     frees space."""
 
-    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "doorbell", "inbox", "flow",
+    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "doorbell", "inbox", "endpoints", "flow",
                  "overflow", "staged", "records", "messages", "fragment_bytes")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
@@ -107,8 +107,7 @@ class OutLink:
         self.peer = peer
         self.peer_holder = 0
         self.segment, self.ring = shm.attach_ring(ring_name)
-        self.inbox = tokens.TokenWriter(peer_inbox_fd)
-        self.doorbell = Doorbell(peer_doorbell_fd)
+        self.endpoints, self.inbox, self.doorbell = peers.ENDPOINTS.take(peer_inbox_fd, peer_doorbell_fd)
         self.flow = flow
         self.overflow: collections.deque = collections.deque()
         self.staged = 0
@@ -179,28 +178,25 @@ class OutLink:
                     pass
 
     def close(self) -> None:
-        for closer in (self.segment.close, self.doorbell.close):
-            try:
-                closer()
-            except OSError:
-                pass
         try:
-            os.close(self.inbox.fd)
-        except (OSError, AttributeError):
+            self.segment.close()
+        except OSError:
             pass
+        peers.ENDPOINTS.give_back(self.endpoints)
 
 
 class InLink:
     """Receiving end of one ring; answers the sender on its inbox pipe."""
 
-    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "inbox", "flow", "received", "pieces", "more")
+    __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "inbox", "endpoints", "flow", "received",
+                 "pieces", "more")
 
     def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int, flow: bool):
         self.link_id = link_id
         self.peer = peer
         self.peer_holder = 0
         self.segment, self.ring = shm.attach_ring(ring_name)
-        self.inbox = tokens.TokenWriter(peer_inbox_fd)
+        self.endpoints, self.inbox, _ = peers.ENDPOINTS.take(peer_inbox_fd)
         self.flow = flow
         self.received = 0
         self.pieces: list = []     # the fragments of a record still arriving
@@ -243,10 +239,7 @@ class InLink:
             self.segment.close()
         except OSError:
             pass
-        try:
-            os.close(self.inbox.fd)
-        except (OSError, AttributeError):
-            pass
+        peers.ENDPOINTS.give_back(self.endpoints)
 
 
 def own_selector(stage) -> selectors.BaseSelector:

@@ -159,9 +159,35 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
     broker.wait_for(lambda s: not s["fd"]["alarm"], what="the alarm to clear")
     with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
         assert conn.channel().queue_declare("q0", passive=True).method.message_count == len(conns)
+    # the links the publishes made fit in the queues' host: none of them crashed (and lost what it held)
+    assert {name: p["restarts"] for name, p in broker.status()["processes"].items()
+            if name.startswith("queue-")} == {f"queue-q{i}": 0 for i in range(4)}
     for conn, _ in conns[len(conns) // 2:]:
         conn.close()
     assert "file descriptor limit alarm cleared" in broker.output()
+
+
+def test_connections_publishing_to_many_queues_fit_in_a_low_descriptor_limit(start_broker):
+    """A host holds each peer's inbox pipe and doorbell once, however many of its stages link to that
+    peer: six connections each publishing to the same six queues (one host for them all) need 36 pairs
+    of rings, not 36 sets of endpoints besides. With a descriptor each per link end, the queues' host
+    ran out at 256 and its queues crashed, losing what they held."""
+    broker = start_broker("--pool", "1", nofile=256)
+    names = [f"q{i}" for i in range(6)]
+    conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) for _ in range(6)]
+    for conn in conns:
+        ch = conn.channel()
+        for name in names:
+            ch.queue_declare(name)
+            ch.basic_publish("", name, b"one")
+    check = conns[0].channel()
+    assert [check.queue_declare(name, passive=True).method.message_count for name in names] == [6] * 6
+    status = broker.status()
+    assert {name: p["restarts"] for name, p in status["processes"].items() if name.startswith("queue-")} == \
+        {f"queue-{name}": 0 for name in names}
+    assert status["fd"]["alarm"] is False
+    for conn in conns:
+        conn.close()
 
 
 def ctl(broker, *args: str):
