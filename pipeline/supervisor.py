@@ -78,10 +78,13 @@ ENDED_KEPT = 256                    # ended processes whose last statistics ctl 
 DEATHS_KEPT = 1000
 TOKEN_RETRY_S = 0.01                # a full inbox pipe: try the tokens again this soon
 ACCEPT_PAUSE_S = 0.5                # out of descriptors: stop accepting for this long
-FDS_PER_CONNECTION = 16             # what a connection with a channel holds open here (measured: ~12)
+# what one more connection with a channel adds in the fullest process (measured: 6 to 8 with two hosts
+# of each kind, 10.6 with one); more than that made every accept look bigger than it was
+FDS_PER_CONNECTION = 12
 # RabbitMQ lets sockets take 90% of the limit; here channels and queue links take descriptors too
 FD_SHARE_FOR_CONNECTIONS = 0.8
 FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often, estimated in between
+FD_SETTLE_NS = 1_000_000_000        # a connection this new may not have opened its channel yet
 SUPERVISOR = "creditflow_sup"
 HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
 PR_SET_NAME = 15
@@ -175,10 +178,15 @@ def is_loopback(host: str) -> bool:
     return (mapped or ip).is_loopback
 
 
-def fd_alarm(used: int, limit: int, was_set: bool) -> bool:
+def fd_alarm(used: int, limit: int, was_set: bool, settled: bool = True) -> bool:
     """RabbitMQ's ``file_descriptor_limit`` alarm: set when one more connection would not fit in the
-    share of the descriptor limit connections may take; cleared once two would (no flapping)."""
+    share of the descriptor limit connections may take; cleared once two would (no flapping), on a
+    count ``settled``: taken when the newest connection has had time to open its channel. (A count
+    just after a burst of accepts is short of what those connections will hold: clearing on it set
+    and cleared the alarm three times in a second.)"""
     room = limit * FD_SHARE_FOR_CONNECTIONS - used
+    if was_set and not settled:
+        return True
     return room < FDS_PER_CONNECTION * (2 if was_set else 1)
 
 
@@ -278,6 +286,7 @@ class Supervisor:
         self.fd_alarm = False
         self.fds_used = 0
         self.fds_counted_ns = 0
+        self.accepted_ns = 0                 # when the newest connection was accepted
         self.accepting = True
         self.telemetry = telemetry.Recorder(cfg.data_dir)
         self.tls = None
@@ -617,6 +626,7 @@ class Supervisor:
                     self.pause_accepting(f"cannot accept a connection: {exc}")
                 return               # ECONNABORTED and the like: that client gave up
             self.fds_used += FDS_PER_CONNECTION        # until the next count: each accept's share
+            self.accepted_ns = time.monotonic_ns()
             self.start_reader(sock, addr, tls)
 
     def check_fds(self) -> bool:
@@ -628,7 +638,12 @@ class Supervisor:
         now = time.monotonic_ns()
         if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS:     # listing /proc/*/fd costs per entry
             self.fds_used, self.fds_counted_ns = self.fds_fullest(), now
-        self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was)
+        self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was,
+                                 settled=self.fds_counted_ns - self.accepted_ns >= FD_SETTLE_NS)
+        if self.fd_alarm and not was and self.fds_counted_ns != now:
+            # an estimate says set: set it only on a count (each accept's share is a guess)
+            self.fds_used, self.fds_counted_ns = self.fds_fullest(), now
+            self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was)
         if self.fd_alarm and not was:
             self.log("warning", ["file descriptor limit alarm set.", "",
                                  "********************************************************************",

@@ -129,6 +129,19 @@ def test_the_data_directory_and_its_files_are_the_owners_alone(start_broker):
     assert modes and all(mode & 0o077 == 0 for mode in modes.values()), modes
 
 
+def test_the_descriptor_alarm_sets_below_one_connections_room_and_clears_at_two_once_settled():
+    from pipeline.supervisor import FD_SHARE_FOR_CONNECTIONS, FDS_PER_CONNECTION, fd_alarm
+    limit = 1000
+    share = int(limit * FD_SHARE_FOR_CONNECTIONS)
+    assert not fd_alarm(share - FDS_PER_CONNECTION, limit, was_set=False)
+    assert fd_alarm(share - FDS_PER_CONNECTION + 1, limit, was_set=False)
+    assert fd_alarm(share - 2 * FDS_PER_CONNECTION + 1, limit, was_set=True)     # room for one: still set
+    assert not fd_alarm(share - 2 * FDS_PER_CONNECTION, limit, was_set=True)
+    # a count taken while the newest connections may still be opening their channels clears nothing
+    assert fd_alarm(0, limit, was_set=True, settled=False)
+    assert not fd_alarm(0, limit, was_set=False, settled=False)
+
+
 def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_broker):
     """RabbitMQ's file_descriptor_limit alarm: past the share connections may take, the listener stops
     accepting (clients wait in the backlog); open connections carry on; closing some lets new ones in.
@@ -164,7 +177,8 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
             if name.startswith("queue-")} == {f"queue-q{i}": 0 for i in range(4)}
     for conn, _ in conns[len(conns) // 2:]:
         conn.close()
-    assert "file descriptor limit alarm cleared" in broker.output()
+    log = broker.output()
+    assert log.count("file descriptor limit alarm set.") == 1 and log.count("alarm cleared") == 1, log
 
 
 def test_connections_publishing_to_many_queues_fit_in_a_low_descriptor_limit(start_broker):
