@@ -2,11 +2,11 @@
 
 Every link brings the descriptors of its peer's endpoints: an out-link the
 receiver's inbox pipe (tokens travel on inbox pipes) and doorbell, an in-link
-the sender's inbox pipe. A queue host with
-four queues linked to the same channel and to its connection's reader was
-given twenty descriptors for what four (two pipes, two doorbells) can do, and
-with a few hundred connections it ran out of descriptors long before the
-supervisor's file descriptor alarm could see it coming.
+the sender's inbox pipe. A queue host with four queues linked to the same
+channel and to its connection's reader was given twenty descriptors for what
+four (two pipes, two doorbells) can do. Under a limit of 256 it ran out of
+them and a queue crashed: the supervisor's file descriptor alarm stops new
+connections, not the links open ones make.
 
 ``PeerEndpoints.take`` keeps the first pair it is given for a pipe and closes
 the duplicates; ``give_back`` closes them once no link uses them. A pipe is

@@ -182,7 +182,9 @@ class OutLink:
             self.segment.close()
         except OSError:
             pass
-        peers.ENDPOINTS.give_back(self.endpoints)
+        if self.endpoints is not None:          # once: other links may still use them
+            peers.ENDPOINTS.give_back(self.endpoints)
+            self.endpoints = None
 
 
 class InLink:
@@ -239,7 +241,9 @@ class InLink:
             self.segment.close()
         except OSError:
             pass
-        peers.ENDPOINTS.give_back(self.endpoints)
+        if self.endpoints is not None:          # once: other links may still use them
+            peers.ENDPOINTS.give_back(self.endpoints)
+            self.endpoints = None
 
 
 def own_selector(stage) -> selectors.BaseSelector:
