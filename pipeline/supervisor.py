@@ -636,14 +636,13 @@ class Supervisor:
             return False
         was = self.fd_alarm
         now = time.monotonic_ns()
-        if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS:     # listing /proc/*/fd costs per entry
+        # listing /proc/*/fd costs per entry: counted when due, and before the alarm is set on an
+        # estimate (between counts each accept's share is a guess)
+        if now - self.fds_counted_ns >= FD_COUNT_INTERVAL_NS or (not was and fd_alarm(self.fds_used,
+                                                                                      self.fd_limit, False)):
             self.fds_used, self.fds_counted_ns = self.fds_fullest(), now
         self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was,
                                  settled=self.fds_counted_ns - self.accepted_ns >= FD_SETTLE_NS)
-        if self.fd_alarm and not was and self.fds_counted_ns != now:
-            # an estimate says set: set it only on a count (each accept's share is a guess)
-            self.fds_used, self.fds_counted_ns = self.fds_fullest(), now
-            self.fd_alarm = fd_alarm(self.fds_used, self.fd_limit, was)
         if self.fd_alarm and not was:
             self.log("warning", ["file descriptor limit alarm set.", "",
                                  "********************************************************************",

@@ -184,8 +184,8 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
 def test_connections_publishing_to_many_queues_fit_in_a_low_descriptor_limit(start_broker):
     """A host holds each peer's inbox pipe and doorbell once, however many of its stages link to that
     peer: six connections each publishing to the same six queues (one host for them all) need 36 pairs
-    of rings, not 36 sets of endpoints besides. With a descriptor each per link end, the queues' host
-    ran out at 256 and its queues crashed, losing what they held."""
+    of rings, not 36 sets of endpoints besides. With its own copy of its peer's pipe and doorbell per
+    link, the queues' host ran out at 256 and its queues crashed, losing what they held."""
     broker = start_broker("--pool", "1", nofile=256)
     names = [f"q{i}" for i in range(6)]
     conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) for _ in range(6)]
