@@ -33,6 +33,22 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+class IntermixedParser(Parser):
+    """Options anywhere among the positionals, as rabbitmqctl takes them (``list_queues -q name messages``,
+    ``delete_queue --if-empty q``): argparse's intermixed parsing, also when reached as a subcommand."""
+
+    _inner = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._inner:                         # the intermixed parse's own two passes
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def credit_arg(text: str) -> CreditSpec:
     try:
         return CreditSpec.parse(text)
@@ -411,7 +427,9 @@ def build_parser() -> Parser:
     bench.add_argument("--only", default=None, help="run only scenarios whose name contains this")
     bench.add_argument("--json", default=None, metavar="FILE")
 
+    sub._parser_class = IntermixedParser
     ctl = sub.add_parser("ctl", help="inspect or steer a running broker, like rabbitmqctl")
+    sub._parser_class = Parser
     ctl.add_argument("--data-dir", required=True, help="the broker's data directory or run directory")
     ctl.add_argument("--json", action="store_true", help="print the raw JSON answer")
     ctl.add_argument("-q", "--quiet", action="store_true", help="list-*: no 'Listing ...' line (rabbitmqctl's -q)")

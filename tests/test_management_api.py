@@ -277,6 +277,9 @@ def test_the_api_serves_a_live_broker_with_auth_health_checks_and_ctl_lists(star
                                               "arguments", 'api-q\trunning\t20\ttrue\t{"x-max-length":1000}']
         listed = ctl(broker, "-q", "list-connections", "name", "state", "channels")
         assert listed.stdout.splitlines() == ["name\tstate\tchannels", f"{c['name']}\trunning\t2"]
+        listed = ctl(broker, "list_queues", "-q", "name", "messages")     # rabbitmqctl takes -q among the columns
+        assert listed.returncode == 0, listed.stderr
+        assert listed.stdout.splitlines() == ["name\tmessages", "api-q\t20"]
         listed = ctl(broker, "list_channels", "name", "state", "confirm")
         assert sorted(listed.stdout.splitlines()[2:]) == [f"{c['name']} (1)\trunning\ttrue",
                                                           f"{c['name']} (2)\trunning\tfalse"]

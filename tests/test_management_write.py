@@ -280,6 +280,8 @@ def test_queues_are_purged_and_deleted_over_http_as_rabbitmq_does(start_broker):
         conn.process_data_events(0.1)
         refused = ctl(broker, "delete_queue", "by-ctl", "--if-empty")
         assert refused.returncode == 2 and "not empty" in refused.stdout
+        refused = ctl(broker, "delete_queue", "--if-empty", "by-ctl")    # the option before the name, too
+        assert refused.returncode == 2 and "not empty" in refused.stdout
         assert ctl(broker, "delete-queue", "by-ctl").returncode == 0
         assert ctl(broker, "delete-queue", "by-ctl").returncode == 2
         assert sorted(broker.status()["queues"]) == ["mine"]
