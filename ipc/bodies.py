@@ -39,9 +39,10 @@ inline, as before. While over half the arena is in use the allocator sets
 ``pressure``, and queues copy the bodies they hold out of the arena.
 
 Freed space goes back to the OS, but not at once: the allocator reuses
-the data area in a circle, so under a steady flow every page comes round
-again within moments, and handing it back would only make the next body
-fault it in afresh. Space that has stayed free for PUNCH_AFTER_MS without
+the data area in a circle, so under a steady flow that goes round the
+capacity within PUNCH_AFTER_MS every page comes round again in time, and
+handing it back would only make the next body fault it in afresh (a flow
+slower than that, for its arena's size, faults every page in anew). Space that has stayed free for PUNCH_AFTER_MS without
 being reused has its whole pages handed back (``punch``, an
 ``madvise(MADV_REMOVE)`` on the shared-memory file), so once a backlog has
 drained the arena's memory, which the memory alarm counts, follows it down.

@@ -267,7 +267,8 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                         "free port with --port 0), run off")
     g.add_argument("--arena-mb", type=arena_mb_arg, default=None, metavar="MIB",
                    help="each reader host's arena for message bodies by reference (default 64; 0: every body "
-                        "by copy); smaller when /dev/shm has less than twice what they need free")
+                        "by copy; bigger than a second of the flow costs page faults); smaller when /dev/shm has "
+                        "less than twice what they need free")
     g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
                         "512 MiB); one bigger than a ring slot crosses it in pieces")
