@@ -8,7 +8,10 @@ basic.deliver frames without parsing anything else, acknowledging with one
 multiple ack per socket read (or consuming with no-ack). The figure is the
 consumer's deliveries during the publishing window, per second. Nothing of
 ``pipeline.loadgen`` is used, so a broker's ratio against another does not
-depend on which load generator favours which.
+depend on which load generator favours which. A publisher looks, without
+waiting, for a close from the broker before each batch: if its channel or
+connection was closed the run ends with the broker's reply (exit 1), not
+with a rate counting publishes the broker discarded.
 
 usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
                              [--persistent] [--confirm 1000] [--no-ack] [--queue NAME] [--rate MSG/S]
@@ -30,6 +33,7 @@ from pamqp import heartbeat as _heartbeat  # noqa: F401  (pamqp needs it loaded 
 FRAME_HEAD = struct.Struct(">BHI")
 DELIVER = struct.pack(">HH", 60, 60)
 ACK = struct.pack(">HH", 60, 80)
+CLOSES = (struct.pack(">HH", 10, 50), struct.pack(">HH", 20, 40))     # connection.close, channel.close
 CHUNK = 1 << 18
 BATCH = 64
 OVERRUN = 0.10
@@ -106,6 +110,34 @@ def publishes(queue: str, size: int, persistent: bool, frame_max: int, count: in
     return one * count
 
 
+def closed_in(buf: bytearray) -> str | None:
+    """The reply of a connection.close or channel.close among the whole frames in ``buf`` (which are
+    consumed), else None; ``buf`` keeps an incomplete frame for the next read."""
+    found, used = frames_in(buf)
+    reason = None
+    for ftype, _, ps, pe in found:
+        if ftype == 1 and bytes(buf[ps:ps + 4]) in CLOSES and reason is None:
+            code = struct.unpack_from(">H", buf, ps + 4)[0]
+            reason = f"{code} {bytes(buf[ps + 7:ps + 7 + buf[ps + 6]]).decode('utf-8', 'replace')}"
+    del buf[:used]
+    return reason
+
+
+def broker_closed(sock, buf: bytearray) -> str | None:
+    """Whether the broker has closed the publisher's channel or connection, read without waiting: a
+    publisher that never reads would go on counting publishes the broker only discards."""
+    try:
+        data = sock.recv(CHUNK, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError as exc:
+        return f"the connection failed: {exc}"
+    if not data:
+        return "the broker closed the connection"
+    buf += data
+    return closed_in(buf)
+
+
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
               counts, rate: float | None = None) -> None:
     conn = Connection(port)
@@ -117,26 +149,39 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
         time.sleep(0.001)
     sent = confirmed = 0
     buf = bytearray()
+    closed = None
     gap = BATCH / rate if rate else 0.0      # paced: a batch every gap seconds, no catching up after a stall
     due = start
     while time.time() < stop:
         if confirm and sent - confirmed + BATCH > confirm:
             data = sock.recv(CHUNK)
+            if not data:
+                closed = "the broker closed the connection"
+                break
             buf += data
             found, used = frames_in(buf)
             for ftype, _, ps, pe in found:
                 if ftype == 1 and buf[ps:ps + 4] == ACK:
                     confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
-            del buf[:used]
+            closed = closed_in(buf)
+            if closed:
+                break
             continue
+        closed = broker_closed(sock, buf)
+        if closed:
+            break
         if gap:
             now = time.time()
             if now < due:
                 time.sleep(due - now)
             due = max(due + gap, time.time() - gap)
-        sock.sendall(batch)
+        try:
+            sock.sendall(batch)
+        except OSError as exc:
+            closed = f"the connection failed: {exc}"
+            break
         sent += BATCH
-    counts.put(("sent", sent))
+    counts.put(("sent", sent, closed))
     sock.close()
 
 
@@ -197,13 +242,18 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     for p in procs[1:]:
         p.start()
     got: dict[str, int] = {}
+    closed = []
     for _ in range(len(procs) + 1):         # the consumer reports twice
-        kind, n = counts.get(timeout=seconds + 60)
+        kind, n, *why = counts.get(timeout=seconds + 60)
         got[kind] = got.get(kind, 0) + n
+        if why and why[0]:
+            closed.append(why[0])
     for p in procs:
         p.join(10)
         if p.is_alive():
             p.kill()
+    if closed:                              # what it sent after that was never taken: no rate to give
+        raise SystemExit(f"raw driver: the broker closed a publisher: {closed[0]}")
     sent, delivered = got.get("sent", 0), got.get("delivered", 0)
     left = sent - got.get("delivered_by_end", 0)
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,

@@ -57,3 +57,11 @@ def test_cpu_per_message_refuses_bad_options_before_it_starts_anything(args):
                           text=True, timeout=30)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "cpu_per_message" in proc.stderr
+
+
+def test_a_publisher_the_broker_closes_ends_the_run_with_the_reason_not_a_rate(start_broker):
+    """A publisher that never reads would go on counting what the broker discards after closing its
+    channel (here 406: bodies over --max-message-bytes), and print a publish rate nobody received."""
+    broker = start_broker("--max-message-bytes", "1000")
+    with pytest.raises(SystemExit, match=r"closed a publisher: 406 PRECONDITION_FAILED"):
+        raw_driver().run(broker.port, size=4096, seconds=1.5, queue="raw-too-big")
