@@ -42,10 +42,11 @@ Freed space goes back to the OS, but not at once: the allocator reuses
 the data area in a circle, so under a steady flow that goes round the
 capacity within PUNCH_AFTER_MS every page comes round again in time, and
 handing it back would only make the next body fault it in afresh (a flow
-slower than that, for its arena's size, faults every page in anew). Space that has stayed free for PUNCH_AFTER_MS without
-being reused has its whole pages handed back (``punch``, an
-``madvise(MADV_REMOVE)`` on the shared-memory file), so once a backlog has
-drained the arena's memory, which the memory alarm counts, follows it down.
+slower than that, for its arena's size, faults every page in anew). Space
+that has stayed free for PUNCH_AFTER_MS without being reused has its whole
+pages handed back (``punch``, an ``madvise(MADV_REMOVE)`` on the
+shared-memory file), so once a backlog has drained the arena's memory,
+which the memory alarm counts, follows it down.
 
 Byte layout
 -----------

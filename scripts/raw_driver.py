@@ -110,15 +110,23 @@ def publishes(queue: str, size: int, persistent: bool, frame_max: int, count: in
     return one * count
 
 
+def close_reply(buf, ps: int) -> str | None:
+    """The reply code and text of the method frame whose payload starts at ``ps``, if it is a
+    connection.close or channel.close; else None."""
+    if bytes(buf[ps:ps + 4]) not in CLOSES:
+        return None
+    code = struct.unpack_from(">H", buf, ps + 4)[0]
+    return f"{code} {bytes(buf[ps + 7:ps + 7 + buf[ps + 6]]).decode('utf-8', 'replace')}"
+
+
 def closed_in(buf: bytearray) -> str | None:
     """The reply of a connection.close or channel.close among the whole frames in ``buf`` (which are
     consumed), else None; ``buf`` keeps an incomplete frame for the next read."""
     found, used = frames_in(buf)
     reason = None
     for ftype, _, ps, pe in found:
-        if ftype == 1 and bytes(buf[ps:ps + 4]) in CLOSES and reason is None:
-            code = struct.unpack_from(">H", buf, ps + 4)[0]
-            reason = f"{code} {bytes(buf[ps + 7:ps + 7 + buf[ps + 6]]).decode('utf-8', 'replace')}"
+        if ftype == 1 and reason is None:
+            reason = close_reply(buf, ps)
     del buf[:used]
     return reason
 
@@ -161,9 +169,12 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
             buf += data
             found, used = frames_in(buf)
             for ftype, _, ps, pe in found:
-                if ftype == 1 and buf[ps:ps + 4] == ACK:
-                    confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
-            closed = closed_in(buf)
+                if ftype == 1:
+                    if buf[ps:ps + 4] == ACK:
+                        confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
+                    elif closed is None:
+                        closed = close_reply(buf, ps)
+            del buf[:used]
             if closed:
                 break
             continue
