@@ -269,6 +269,10 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                    help="each reader host's arena for message bodies by reference (default 64; 0: every body "
                         "by copy; bigger than a second of the flow costs page faults); smaller when /dev/shm has "
                         "less than twice what they need free")
+    g.add_argument("--scheduling", choices=("batch", "normal"), default="batch",
+                   help="batch (default): readers, channels, queues and the store run under Linux's SCHED_BATCH, "
+                        "so a stage that wakes another runs its turn out instead of being preempted; normal: "
+                        "the default policy")
     g.add_argument("--max-message-bytes", type=max_message_arg, default=DEFAULT_MAX_MESSAGE_BYTES,
                    help="max_message_size: largest message accepted (default 128 MiB, RabbitMQ's; at most "
                         "512 MiB); one bigger than a ring slot crosses it in pieces")
@@ -291,6 +295,7 @@ def broker_config(args, data_dir: str, port: int):
         watchdog={"memory_limit": args.memory_watermark, "disk_limit": args.disk_free_limit,
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
         paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on", management_port=management_port(args),
+        scheduling=args.scheduling,
         **({} if args.pool is None else {"pool": args.pool}),
         **({} if args.arena_mb is None else {"arena_mb": args.arena_mb}))
 

@@ -87,6 +87,7 @@ FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often
 FD_SETTLE_NS = 1_000_000_000        # a connection this new may not have opened its channel yet
 SUPERVISOR = "creditflow_sup"
 HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
+BATCH_KINDS = frozenset({"host", "store", *HOSTED_KINDS})   # scheduled as batch; watchdog and management are not
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 MANAGEMENT_HOST = "127.0.0.1"       # the management listener is for this machine only
@@ -131,6 +132,7 @@ class BrokerConfig:
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
     management_port: int | None = None     # the management API and /metrics on 127.0.0.1 (0: any free port)
     arena_mb: int = _bodies.ARENA_MB       # each reader host's arena for bodies by reference; 0: bodies by copy
+    scheduling: str = "batch"       # the pipeline's processes under Linux's SCHED_BATCH ("batch") or "normal"
 
 
 @dataclass(eq=False)                # one Proc per process incarnation: compared and hashed by identity
@@ -256,6 +258,7 @@ class Supervisor:
             self.bodies = _bodies.Bodies.create(self.owner, cfg.pool + 1, arena_bytes)
         _bodies.install(self.bodies)
         self.next_holder = 1
+        self.batch_refused = False      # the machine refused SCHED_BATCH once (and it was logged)
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
         self.links: dict[int, LinkRec] = {}
@@ -381,6 +384,8 @@ class Supervisor:
         os.close(inbox_r)
         child_ctl.close()
         os.set_blocking(inbox_w, False)
+        if kind in BATCH_KINDS and self.cfg.scheduling == "batch":
+            self.schedule_as_batch(pid)
         proc = Proc(name, kind, pid, parent_ctl, control.Outbox(parent_ctl), inbox_w, doorbell, factory=factory,
                     **info)
         self.procs[name] = proc
@@ -388,6 +393,21 @@ class Supervisor:
         self.selector.register(parent_ctl, selectors.EVENT_READ, ("proc", name))
         self.telemetry.event("spawn", name, {"pid": pid, "kind": kind})
         return proc
+
+    def schedule_as_batch(self, pid: int) -> None:
+        """Put a pipeline process under SCHED_BATCH. Stages wake each other with a doorbell per batch;
+        under the default policy a woken stage often preempts the one that rang, so a turn that rings
+        three peers is cut short three times. A batch process runs its turn out and the woken one takes
+        the next free slice; an idle core still runs it at once, so latency at a rate the cores keep up
+        with does not change. Linux lets any process choose it for its own children."""
+        try:
+            os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
+        except ProcessLookupError:
+            pass                        # it has ended already: reaped as any other
+        except OSError as exc:
+            if not self.batch_refused:
+                self.batch_refused = True
+                self.log("warning", [f"the pipeline's processes keep the default scheduling policy: {exc}"])
 
     def start_stage(self, name: str, kind: str, spec: dict, extra_fds: tuple[int, ...] = (), **info) -> Proc | None:
         """A reader, channel or queue: in the host of its kind that runs the fewest (``cfg.pool``), or
