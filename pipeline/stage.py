@@ -40,7 +40,8 @@ from pipeline.telemetry.schema import LinkStats, StageStats
 STATS_INTERVAL_MS = 100
 STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not more often than this
 IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
-TRIM_AFTER_RECORDS = 1000       # an idle stage that handled this many records since its last trim trims
+TRIM_AFTER_RECORDS = 256       # an idle stage that handled this many records since its last trim trims (the
+                               # heap keeps up to HEAP_TRIM_THRESHOLD_BYTES at its top, 512 inline 64 KiB bodies)
 TRIM_INTERVAL_NS = 1_000_000_000
 # every this many bytes a stage writes to disk, the watchdog measures free disk at once: the disk alarm
 # then blocks publishers before the disk fills however fast it is written (its poll assumes 250 MB/s)
@@ -58,14 +59,18 @@ def busiest_links(stats: StageStats, keep: int) -> StageStats:
     return dataclasses.replace(stats, links=dict(kept), links_omitted=len(links) - len(kept))
 
 
-def _load_malloc_trim():
+def _load_libc(name: str):
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
+        return getattr(ctypes.CDLL("libc.so.6"), name)
     except (OSError, AttributeError):
         return None
 
 
-malloc_trim = _load_malloc_trim()
+malloc_trim = _load_libc("malloc_trim")
+_mallopt = _load_libc("mallopt")
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_TRIM_THRESHOLD_BYTES = 32 * 1024 * 1024
+HEAP_MMAP_THRESHOLD_BYTES = 4 * 1024 * 1024
 
 
 def give_back_heap() -> bool:
@@ -74,6 +79,24 @@ def give_back_heap() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+def keep_heap_mapped() -> bool:
+    """Stop glibc from handing the heap's top back to the OS on every ``free``.
+
+    By default glibc trims the heap whenever 128 KiB (or twice its last big
+    mapping) lie free at its top, and a stage that copies 64 KiB records in
+    and out of its rings frees that much many times a second: every trim is
+    paid for by page faults on the next allocation (over 100,000 a second in
+    a consuming reader once bodies went inline). Here the heap keeps up to
+    HEAP_TRIM_THRESHOLD_BYTES free at its top and only allocations of
+    HEAP_MMAP_THRESHOLD_BYTES or more get mappings of their own. Memory
+    still goes back when it matters: stages and queues call ``malloc_trim``
+    themselves when idle and as a backlog drains (``give_back_heap``)."""
+    if _mallopt is None:
+        return False
+    return bool(_mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD_BYTES)
+                and _mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_BYTES))
 OVERFLOW_RETRY_MS = 5
 HAND_ON_LIMIT_NS = 30_000_000_000   # an exiting stage waits this long for receivers to take its overflow
 READ_BATCH_RECORDS = 256

@@ -60,6 +60,7 @@ from pipeline.broker.definitions import (DEFINITIONS_FILE, REPLY_TO_PREFIX, BadL
                                          not_found_queue, parse_limits, queue_stopped, refused)
 from pipeline.broker.process_states import StateClock, state_at
 from pipeline.host import Host, build_stage
+from pipeline.stage import keep_heap_mapped
 from pipeline.management import views as management_views
 from pipeline.management.histogram import LatencyHistogram
 
@@ -87,7 +88,7 @@ FD_COUNT_INTERVAL_NS = 100_000_000  # descriptors are counted at most this often
 FD_SETTLE_NS = 1_000_000_000        # a connection this new may not have opened its channel yet
 SUPERVISOR = "creditflow_sup"
 HOSTED_KINDS = ("reader", "channel", "queue")      # a host's Proc.number is its kind's index here
-BATCH_KINDS = frozenset({"host", "store", *HOSTED_KINDS})   # scheduled as batch; watchdog and management are not
+PIPELINE_KINDS = frozenset({"host", "store", *HOSTED_KINDS})   # batch scheduling, heap kept (not watchdog, management)
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 MANAGEMENT_HOST = "127.0.0.1"       # the management listener is for this machine only
@@ -366,6 +367,8 @@ class Supervisor:
                     import faulthandler
                     faulthandler.register(signal.SIGUSR1, all_threads=False)
                     _child_setup(f"cf-{name}", {inbox_r, doorbell.fileno(), child_ctl.fileno(), *extra_keep})
+                    if kind in PIPELINE_KINDS:
+                        keep_heap_mapped()
                     signal.pthread_sigmask(signal.SIG_SETMASK, old)
                     stage = factory(child_ctl, inbox_r, doorbell.fileno())
                     if not self.cfg.telemetry and hasattr(stage, "stats_interval_ns"):
@@ -384,7 +387,7 @@ class Supervisor:
         os.close(inbox_r)
         child_ctl.close()
         os.set_blocking(inbox_w, False)
-        if kind in BATCH_KINDS and self.cfg.scheduling == "batch":
+        if kind in PIPELINE_KINDS and self.cfg.scheduling == "batch":
             self.schedule_as_batch(pid)
         proc = Proc(name, kind, pid, parent_ctl, control.Outbox(parent_ctl), inbox_w, doorbell, factory=factory,
                     **info)
