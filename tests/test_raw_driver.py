@@ -65,3 +65,21 @@ def test_a_publisher_the_broker_closes_ends_the_run_with_the_reason_not_a_rate(s
     broker = start_broker("--max-message-bytes", "1000")
     with pytest.raises(SystemExit, match=r"closed a publisher: 406 PRECONDITION_FAILED"):
         raw_driver().run(broker.port, size=4096, seconds=1.5, queue="raw-too-big")
+
+
+def test_consumer_stall_stops_the_consumer_and_reports_both_rates_and_the_arena():
+    """scripts/consumer_stall: a fresh broker, 64 KiB unpaced, the raw consumer stopped for 0.3 s."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "consumer_stall"), "--seconds", "6", "--at", "1",
+                           "--stall", "0.3", "--runs", "1"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("run 1: delivered ") and ", published " in line, line
+    assert "bodies by reference" in line, line      # 64 KiB bodies went into the publishing reader's arena
+
+
+@pytest.mark.parametrize("args", [["--at", "5", "--seconds", "6"], ["--stall", "0"], ["--runs", "two"]])
+def test_consumer_stall_refuses_bad_options_before_it_starts_anything(args):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "consumer_stall"), *args], capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "consumer_stall" in proc.stderr
