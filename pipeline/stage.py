@@ -40,8 +40,8 @@ from pipeline.telemetry.schema import LinkStats, StageStats
 STATS_INTERVAL_MS = 100
 STATE_PUSH_MIN_MS = 10          # a block/unblock is pushed at once, but not more often than this
 IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
-TRIM_AFTER_RECORDS = 256       # an idle stage that handled this many records since its last trim trims (the
-                               # heap keeps up to HEAP_TRIM_THRESHOLD_BYTES at its top, 512 inline 64 KiB bodies)
+TRIM_AFTER_RECORDS = 256       # an idle stage that handled this many records since its last trim trims: few,
+                               # as between trims its heap keeps up to HEAP_TRIM_THRESHOLD_BYTES (keep_heap_mapped)
 TRIM_INTERVAL_NS = 1_000_000_000
 # every this many bytes a stage writes to disk, the watchdog measures free disk at once: the disk alarm
 # then blocks publishers before the disk fills however fast it is written (its poll assumes 250 MB/s)
@@ -97,6 +97,8 @@ def keep_heap_mapped() -> bool:
         return False
     return bool(_mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD_BYTES)
                 and _mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_BYTES))
+
+
 OVERFLOW_RETRY_MS = 5
 HAND_ON_LIMIT_NS = 30_000_000_000   # an exiting stage waits this long for receivers to take its overflow
 READ_BATCH_RECORDS = 256
