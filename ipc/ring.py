@@ -36,6 +36,9 @@ Header words are u64, little-endian, 8-byte aligned::
     offset  40  u64 capacity_bytes   written once at creation
     offset  64  u64 read_pos         bytes ever released               (consumer)
     offset  72  u64 records_read     records ever released             (consumer)
+    offset  80  u64 reader_flags     bit 0 congested: the consumer has stopped
+                                     reading because where it sends what it
+                                     reads does not take it             (consumer)
     offset 128  data area: capacity_bytes = len(buf) - 128, rounded down
                 to a multiple of 8 (the rest of the buffer is unused)
 
@@ -82,8 +85,9 @@ MIN_CAPACITY_BYTES = 64
 
 # header word indices (byte offset // 8)
 _W_POS, _W_REC, _MAX, _FLAGS, _MAGIC, _CAP = 0, 1, 2, 3, 4, 5
-_R_POS, _R_REC = 8, 9
+_R_POS, _R_REC, _R_FLAGS = 8, 9, 10
 _WRITER_WAITING = 1
+_CONGESTED = 1
 
 
 def record_bytes(payload_bytes: int) -> int:
@@ -113,7 +117,7 @@ class Ring:
     either end attaches); ``create=False`` attaches to an initialised ring and
     checks its magic and capacity. The producer uses ``write_nowait``,
     ``commit``, ``write_batch`` and ``writer_waiting``; the consumer uses
-    ``read_batch`` and ``read_into``; anyone may call ``statistics``.
+    ``read_batch``, ``read_into`` and ``congested``; anyone may call ``statistics``.
     """
 
     __slots__ = ("mv", "capacity_bytes", "max_record_bytes", "_hdr", "_data", "_lens",
@@ -282,6 +286,17 @@ class Ring:
     def writer_waiting(self, on: bool) -> None:
         flags = self._hdr[_FLAGS]
         self._hdr[_FLAGS] = flags | _WRITER_WAITING if on else flags & ~_WRITER_WAITING
+
+    @property
+    def congested(self) -> bool:
+        """Set by the consumer while it leaves records unread because its own output is backed up (a
+        reader whose client does not take its deliveries); the producer may read it."""
+        return bool(self._hdr[_R_FLAGS] & _CONGESTED)
+
+    @congested.setter
+    def congested(self, on: bool) -> None:
+        flags = self._hdr[_R_FLAGS]
+        self._hdr[_R_FLAGS] = flags | _CONGESTED if on else flags & ~_CONGESTED
 
     # -- consumer -------------------------------------------------------------------------
     def read_batch(self, max_records: int | None = None) -> list[bytes]:

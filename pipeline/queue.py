@@ -43,6 +43,7 @@ from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
 from pipeline.broker.backlog import (AskPermits, Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk,
                                      Message, Nack, ReturnPermits, dead_letter_cycles, record_death)
 from pipeline.broker.backlog import Confirm as ConfirmAction
+from pipeline.broker.consumer_bias import ConsumerBias
 from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, PageFile, Paged
 from pipeline.broker.routing import RoutingTable
 from pipeline.journal import QueueJournal, read_store_bodies
@@ -177,6 +178,9 @@ class Queue(Stage):
         for msg in recovered:
             self.core.restore(msg)
         self.recovered = len(recovered)
+        self.bias = ConsumerBias()
+        self.bias_held = False                   # publishes left unread this turn for the bias
+        self.publishing_links: set[int] = set()  # in-links that have carried publishes
 
     # -- wiring -----------------------------------------------------------------------
     def on_link_attached(self, link) -> None:
@@ -253,6 +257,7 @@ class Queue(Stage):
 
     def on_publish(self, link, record) -> None:
         self.owe(link.link_id)
+        self.publishing_links.add(link.link_id)
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
         flags, seq = wire.publish_head(record)
@@ -405,7 +410,12 @@ class Queue(Stage):
                             f"reading until a retry (every {JOURNAL_RETRY_NS // 1_000_000} ms) succeeds"])
 
     def wants_records(self, link) -> bool:
-        return self.journal_full_since_ns is None
+        if self.journal_full_since_ns is not None:
+            return False
+        if link.link_id in self.publishing_links and not self.bias.may_take():
+            self.bias_held = True
+            return False
+        return True
 
     def journal_synced(self) -> None:
         self.journal_fsyncs += 1
@@ -591,7 +601,25 @@ class Queue(Stage):
         room; the deliveries go out at the end of the turn with the rest."""
         self.batch_room = None
         if self.reader_links and self.core.ready:
-            self.do(self.core.deliver(now_ns, self.room()))
+            self.deliver_ready(now_ns)
+
+    def deliver_ready(self, now_ns: int) -> None:
+        """Hand ready messages to consumers with room, then let the consumer bias weigh what is left."""
+        room = self.room()
+        core = self.core
+        self.do(core.deliver(now_ns, room))
+        ready = core.ready
+        starved = False
+        if ready:
+            for link in self.reader_links.values():
+                if room.get(link.link_id, 1) <= 0 and not link.ring.congested:
+                    starved = True
+                    break
+        bias = self.bias
+        bias.assess(*core.flow_totals(), ready, starved)
+        if self.bias_held and bias.may_take():
+            self.bias_held = False
+            self.backlog = True                 # publishes were left unread: come straight back for them
 
     def after_io(self, now_ns: int) -> None:
         self.batch_room = None
@@ -599,7 +627,7 @@ class Queue(Stage):
         deadline = core.next_deadline_ns()
         if deadline is not None and now_ns >= deadline:
             self.do(core.expire(now_ns))
-        self.do(core.deliver(now_ns, self.room()))
+        self.deliver_ready(now_ns)
         if self.dl_pending:
             self.send_dead_letters()
         if self.journal is not None:

@@ -324,8 +324,18 @@ class Reader(Stage):
     def can_read_more(self) -> bool:
         if len(self.outbuf) + self.unsent.bytes + self.queued_bytes < OUTBUF_HIGH_BYTES:
             return True
-        self.held_back = True
+        if not self.held_back:
+            self.held_back = True
+            self.mark_congested(True)
         return False
+
+    def mark_congested(self, on: bool) -> None:
+        """Tell the queues feeding this reader that it leaves their deliveries unread because the client
+        does not take its output (their consumer bias leaves publishers alone for such a consumer)."""
+        for link_id in self.queue_links:
+            link = self.in_links.get(link_id)
+            if link is not None:
+                link.ring.congested = on
 
     def poll_links(self, now_ns: int) -> int:
         """Queues answer some methods straight to the reader (consume-ok, get-ok) and then tell the
@@ -405,6 +415,7 @@ class Reader(Stage):
             # Deliveries were left in the rings while the socket was backed up, and the queues that put
             # them there will not ring again: come back for them now, not when the client next writes.
             self.held_back = False
+            self.mark_congested(False)
             self.backlog = True
         if self.closing_since_ns is not None and (
                 not self.outbuf and not self.unsent.bytes and self.conn.state == "closed"

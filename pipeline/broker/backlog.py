@@ -910,6 +910,10 @@ class Backlog:
         """Messages ready (``statistics().messages_ready``, for a shell that asks per batch)."""
         return self._ready
 
+    def flow_totals(self) -> tuple[int, int]:
+        """Messages taken in (published) and handed to consumers, since the queue began."""
+        return self._published, self._delivered
+
     def wants_room(self) -> bool:
         """Whether ``publish`` would look at ``room``: only a message that may go straight to a consumer
         (nothing ready ahead of it, someone consuming). A shell that finds room costly asks first."""
