@@ -41,7 +41,9 @@ from pipeline.stage import Stage
 from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
-RECV_BYTES = 128 * 1024
+# One socket read: a publisher streaming big messages gets several taken per turn, not one or two.
+# This much unparsed input at most waits in the reader of a connection that is blocked.
+RECV_BYTES = 256 * 1024
 OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
 IOV_MAX = 1024                       # pieces one sendmsg takes (Linux's UIO_MAXIOV)
 CLOSE_TIMEOUT_NS = 1_000_000_000
