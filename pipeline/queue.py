@@ -924,5 +924,6 @@ class Queue(Stage):
             stored=self.stored, awaiting_confirm=st.unconfirmed, recovered=self.recovered, paging=self.paging,
             paged_messages=self.pages.count if self.pages else 0, paged_out=self.paged_out,
             paged_in=self.paged_in, store_resent=self.store_resent, journal_fsyncs=self.journal_fsyncs,
-            dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles, consumer_details=details,
+            dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles, consumer_bias=self.bias.active,
+            consumer_bias_engaged=self.bias.engaged, consumer_details=details,
             consumer_details_omitted=omitted)

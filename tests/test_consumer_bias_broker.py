@@ -99,12 +99,14 @@ def test_a_consumer_reader_that_falls_behind_holds_publishers_back_and_the_backl
         for _ in range(20):
             time.sleep(0.1)
             depths.append(queue_stats(broker)["messages"])
-        taken = queue_stats(broker)["enqueued"] - before["enqueued"]
+        during = queue_stats(broker)
+        taken = during["enqueued"] - before["enqueued"]
         os.kill(consumer["pid"], signal.SIGCONT)
         stopped = False
         # Taken meanwhile: what was ready when the ring filled, then nothing (no delivery pays for more).
         assert max(depths) < 5_000, depths
         assert taken < 5_000, taken
+        assert during["consumer_bias"] and during["consumer_bias_engaged"] >= 1, during
         after = queue_stats(broker)
         broker.wait_for(lambda s: s["processes"][f"queue-{QUEUE}"]["enqueued"] > after["enqueued"] + 20_000,
                         timeout_s=30, what="publishes taken again once the consumer's reader catches up")
@@ -126,6 +128,7 @@ def test_a_consumer_whose_client_reads_nothing_leaves_publishers_alone(start_bro
         st = broker.wait_for(lambda s: s["processes"][f"queue-{QUEUE}"]["enqueued"] == 30_000,
                              what="the statistics to show every publish")["processes"][f"queue-{QUEUE}"]
         assert st["messages"] > 20_000, st          # waiting in the queue, not in the consumer's socket
+        assert not st["consumer_bias"], st
     finally:
         kill_group(pub)
         sock.close()

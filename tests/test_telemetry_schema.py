@@ -46,7 +46,7 @@ STATUS_KEYS = {
                "seconds state trims unconfirmed unroutable confirmed prefetch_count global_prefetch_count "
                "consumer_count",
     "queue": "acked alive at_ns awaiting_confirm block_count block_started_ns blocked blocked_by blocked_total_ns "
-             "consumers dead_letter_cycles dead_lettered dead_letters_sent deferred_grants delivered dropped "
+             "consumer_bias consumer_bias_engaged consumers dead_letter_cycles dead_lettered dead_letters_sent deferred_grants delivered dropped "
              "durable enqueued expired host journal_fsyncs journal_full kind links message_bytes messages name "
              "paged_in paged_messages paged_out paging pid purged queue recovered redelivered rejected restarts "
              "seconds state store_resent stored trims unacked consumer_details",
@@ -173,12 +173,13 @@ def a_queue(consumers: int) -> QueueStats:
     counts = dict.fromkeys(("messages", "unacked", "message_bytes", "enqueued", "delivered", "redelivered", "acked",
                             "expired", "dead_lettered", "dropped", "rejected", "purged", "stored",
                             "awaiting_confirm", "recovered", "paged_messages", "paged_out", "paged_in",
-                            "store_resent", "journal_fsyncs", "dead_letters_sent", "dead_letter_cycles"), 0)
+                            "store_resent", "journal_fsyncs", "dead_letters_sent", "dead_letter_cycles",
+                            "consumer_bias_engaged"), 0)
     details = tuple(ConsumerDetail(f"amq.ctag-{i:022d}", f"channel-{i}.1", 1, True, 10, False)
                     for i in range(min(consumers, schema.CONSUMER_DETAILS_KEPT)))
     left = consumers - len(details)
     return QueueStats(**stage_fields("queue-q", "queue"), queue="q", durable=True, journal_full=False,
-                      consumers=consumers, paging=False, **counts, consumer_details=details,
+                      consumers=consumers, paging=False, consumer_bias=False, **counts, consumer_details=details,
                       consumer_details_omitted=left or None)
 
 

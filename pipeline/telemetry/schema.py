@@ -220,6 +220,8 @@ class QueueStats(StageStats):
     journal_fsyncs: int
     dead_letters_sent: int
     dead_letter_cycles: int
+    consumer_bias: bool                  # publishes taken only as deliveries pay for them, now
+    consumer_bias_engaged: int           # times that has begun
     consumer_details: tuple[ConsumerDetail, ...]   # at most CONSUMER_DETAILS_KEPT
     consumer_details_omitted: int | None = field(default=None, metadata=OPTIONAL)
 
