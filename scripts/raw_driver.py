@@ -11,7 +11,9 @@ consumer's deliveries during the publishing window, per second. Nothing of
 depend on which load generator favours which. A publisher looks, without
 waiting, for a close from the broker before each batch: if its channel or
 connection was closed the run ends with the broker's reply (exit 1), not
-with a rate counting publishes the broker discarded.
+with a rate counting publishes the broker discarded. A third connection asks
+for the queue's depth (a passive queue.declare) four times a second, so a run
+says how far the broker's backlog grew, whatever the broker.
 
 usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
                              [--persistent] [--confirm 1000] [--no-ack] [--queue NAME] [--rate MSG/S]
@@ -37,6 +39,7 @@ CLOSES = (struct.pack(">HH", 10, 50), struct.pack(">HH", 20, 40))     # connecti
 CHUNK = 1 << 18
 BATCH = 64
 OVERRUN = 0.10
+DEPTH_EVERY_S = 0.25
 
 
 def marshal(channel: int, obj) -> bytes:
@@ -233,11 +236,30 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     sock.close()
 
 
+def depth_sampler(port: int, queue: str, start: float, stop: float, counts) -> None:
+    """The queue's ready messages every DEPTH_EVERY_S of the publishing window, asked with a passive
+    queue.declare on a connection of its own (any broker answers it); reports the largest and the last."""
+    deepest = last = 0
+    try:
+        conn = Connection(port)
+        while time.time() < start:
+            time.sleep(0.01)
+        while time.time() < stop:
+            last = conn.call(commands.Queue.Declare(queue=queue, passive=True), "Queue.DeclareOk").message_count
+            deepest = max(deepest, last)
+            time.sleep(DEPTH_EVERY_S)
+        conn.sock.close()
+    finally:                                # reported even if the broker closed it: the run waits for these
+        counts.put(("depth_max", deepest))
+        counts.put(("depth_end", last))
+
+
 def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, persistent: bool = False,
         confirm: int = 0, no_ack: bool = False, queue: str | None = None, rate: float | None = None) -> dict:
-    """One run; ``deliver_rate`` is what the consumer received during the publishing window, per second.
-    ``rate``: all publishers together publish at most this many messages a second (None: as fast as the
-    socket takes them)."""
+    """One run; ``deliver_rate`` is what the consumer received during the publishing window, per second;
+    ``depth_max`` the most messages the queue held ready when sampled during it, ``depth_end`` the last
+    sample. ``rate``: all publishers together publish at most this many messages a second (None: as fast
+    as the socket takes them)."""
     queue = queue or f"raw-{os.getpid()}-{time.time_ns() % 10**9}"
     ctx = multiprocessing.get_context("fork")
     counts, ready = ctx.Queue(), ctx.Event()
@@ -250,11 +272,12 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     each = rate / publishers if rate else None
     procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts, each))
               for _ in range(publishers)]
+    procs.append(ctx.Process(target=depth_sampler, args=(port, queue, start, stop, counts)))
     for p in procs[1:]:
         p.start()
     got: dict[str, int] = {}
     closed = []
-    for _ in range(len(procs) + 1):         # the consumer reports twice
+    for _ in range(len(procs) + 2):         # the consumer and the sampler report twice
         kind, n, *why = counts.get(timeout=seconds + 60)
         got[kind] = got.get(kind, 0) + n
         if why and why[0]:
@@ -268,6 +291,7 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     sent, delivered = got.get("sent", 0), got.get("delivered", 0)
     left = sent - got.get("delivered_by_end", 0)
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,
+            "depth_max": got.get("depth_max", 0), "depth_end": got.get("depth_end", 0),
             # 2 s after the publishers stopped, over OVERRUN of what they published had still not reached
             # the consumer: the broker took publishes faster than it delivered them and its backlog grew,
             # so the deliver rate is what a starved consumer got, not the broker's throughput
@@ -287,7 +311,8 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=None, help="msg/s of all publishers together (default: unpaced)")
     a = ap.parse_args()
     res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue, a.rate)
-    print(f"delivered {res['deliver_rate']:,.0f} msg/s, published {res['publish_rate']:,.0f} msg/s")
+    print(f"delivered {res['deliver_rate']:,.0f} msg/s, published {res['publish_rate']:,.0f} msg/s, "
+          f"queue depth at most {res['depth_max']:,} (last sample {res['depth_end']:,})")
     return 0
 
 
