@@ -32,6 +32,27 @@ def test_it_publishes_and_counts_what_the_consumer_received_in_the_window(broker
                            what="the runs' queues gone with their consumers")   # auto-delete: no leftover backlog
 
 
+def test_the_depth_sampler_reports_what_the_queue_holds_ready(broker):
+    """The sampler asks the broker (a passive queue.declare), so its figure is the broker's own count."""
+    import multiprocessing
+    import time
+
+    import pika
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    ch = conn.channel()
+    ch.queue_declare("raw-depth")
+    for _ in range(300):
+        ch.basic_publish("", "raw-depth", b"x" * 100)
+    broker.wait_for(lambda s: s["processes"]["queue-raw-depth"]["messages"] == 300, what="300 ready")
+    counts = multiprocessing.get_context("fork").Queue()
+    now = time.time()
+    raw_driver().depth_sampler(broker.port, "raw-depth", now, now + 0.6, counts)
+    ch.queue_purge("raw-depth")
+    conn.close()
+    got = dict(counts.get(timeout=5) for _ in range(2))
+    assert got == {"depth_max": 300, "depth_end": 300}, got
+
+
 def cpu_per_message():
     loader = importlib.machinery.SourceFileLoader("cpu_per_message", str(ROOT / "scripts" / "cpu_per_message"))
     spec = importlib.util.spec_from_loader(loader.name, loader)
