@@ -12,8 +12,18 @@ depend on which load generator favours which. A publisher looks, without
 waiting, for a close from the broker before each batch: if its channel or
 connection was closed the run ends with the broker's reply (exit 1), not
 with a rate counting publishes the broker discarded. A third connection asks
-for the queue's depth (a passive queue.declare) four times a second, so a run
-says how far the broker's backlog grew, whatever the broker.
+for the queue's depth (a passive queue.declare) four times a second.
+
+Half-way through and when publishing stops, each publisher and the consumer
+read how many bytes wait in the kernel on both ends of their connections
+(/proc/net/tcp: the broker is on this machine), so a run knows what the broker
+itself held then: what it had read off the publishers' sockets and not yet
+written to the consumer's, wherever it keeps it (queue, mailboxes, rings,
+unparsed input). With many publishers most of what they "published" is still
+in the sockets' buffers, and each one's credit keeps some in flight; a run is
+an *overrun* (the broker took publishes faster than it delivered them) when
+what it held grew over the second half by more than a tenth of what the
+consumer received in the window.
 
 usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
                              [--persistent] [--confirm 1000] [--no-ack] [--queue NAME] [--rate MSG/S]
@@ -24,6 +34,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import select
 import socket
 import struct
 import sys
@@ -39,6 +50,7 @@ CLOSES = (struct.pack(">HH", 10, 50), struct.pack(">HH", 20, 40))     # connecti
 CHUNK = 1 << 18
 BATCH = 64
 OVERRUN = 0.10
+SEND_WAIT_S = 0.05
 DEPTH_EVERY_S = 0.25
 
 
@@ -137,9 +149,11 @@ def closed_in(buf: bytearray) -> str | None:
 def broker_closed(sock, buf: bytearray) -> str | None:
     """Whether the broker has closed the publisher's channel or connection, read without waiting: a
     publisher that never reads would go on counting publishes the broker only discards."""
+    if not select.select([sock], [], [], 0)[0]:
+        return None
     try:
-        data = sock.recv(CHUNK, socket.MSG_DONTWAIT)
-    except BlockingIOError:
+        data = sock.recv(CHUNK)
+    except (BlockingIOError, TimeoutError):
         return None
     except OSError as exc:
         return f"the connection failed: {exc}"
@@ -149,23 +163,78 @@ def broker_closed(sock, buf: bytearray) -> str | None:
     return closed_in(buf)
 
 
+def socket_queues(sock) -> dict[str, int]:
+    """Bytes waiting in the kernel on both ends of a loopback TCP connection, from /proc/net/tcp: what
+    this side wrote and the peer has not read (``to_peer``: our send queue and its receive queue), and
+    what the peer wrote and we have not read (``from_peer``). Zeros where the lines are not found."""
+    def key(addr) -> str:
+        host, port = addr[:2]
+        return f"{int.from_bytes(socket.inet_aton(host), 'little'):08X}:{port:04X}"
+    mine, theirs = key(sock.getsockname()), key(sock.getpeername())
+    out = {"to_peer": 0, "from_peer": 0}
+    try:
+        with open("/proc/net/tcp") as f:
+            lines = f.readlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        tx, rx = (int(v, 16) for v in fields[4].split(":"))
+        if local == mine and remote == theirs:
+            out["to_peer"] += tx
+            out["from_peer"] += rx
+        elif local == theirs and remote == mine:
+            out["to_peer"] += rx
+            out["from_peer"] += tx
+    return out
+
+
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
               counts, rate: float | None = None) -> None:
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
     batch = publishes(queue, size, persistent, conn.frame_max, BATCH)
+    one = len(batch) / BATCH                 # bytes of one publish on the wire
     sock = conn.sock
+    # A send waits at most this long, so a publisher held back by the broker still notices the half-way
+    # mark and the stop in time, and counts what the kernel took to the byte.
+    sock.settimeout(SEND_WAIT_S)
     while time.time() < start:
         time.sleep(0.001)
-    sent = confirmed = 0
+    sent = confirmed = 0                     # publishes wholly handed to the kernel
+    sent_bytes = pending = 0
     buf = bytearray()
     closed = None
     gap = BATCH / rate if rate else 0.0      # paced: a batch every gap seconds, no catching up after a stall
     due = start
-    while time.time() < stop:
+    mid = (start + stop) / 2
+    taken_mid = 0                            # publishes the broker had read off this socket half-way through
+    while True:
+        now = time.time()
+        if now >= stop:
+            break
+        if not taken_mid and now >= mid:
+            taken_mid = taken_by_broker(sock, sent_bytes, one)
+        if pending:
+            try:
+                n = sock.send(batch[len(batch) - pending:])
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                closed = f"the connection failed: {exc}"
+                break
+            sent_bytes += n
+            pending -= n
+            if not pending:
+                sent += BATCH
+            continue
         if confirm and sent - confirmed + BATCH > confirm:
-            data = sock.recv(CHUNK)
+            try:
+                data = sock.recv(CHUNK)
+            except socket.timeout:
+                continue
             if not data:
                 closed = "the broker closed the connection"
                 break
@@ -185,18 +254,19 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
         if closed:
             break
         if gap:
-            now = time.time()
             if now < due:
                 time.sleep(due - now)
             due = max(due + gap, time.time() - gap)
-        try:
-            sock.sendall(batch)
-        except OSError as exc:
-            closed = f"the connection failed: {exc}"
-            break
-        sent += BATCH
+        pending = len(batch)
     counts.put(("sent", sent, closed))
+    counts.put(("taken", (taken_by_broker(sock, sent_bytes, one), taken_mid)))
     sock.close()
+
+
+def taken_by_broker(sock, sent_bytes: int, one: float) -> int:
+    """Publishes the broker has read off this socket: what the kernel took from us less what still waits
+    in the buffers of either end."""
+    return int(max(0, sent_bytes - socket_queues(sock)["to_peer"]) // one)
 
 
 def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts) -> None:
@@ -210,7 +280,13 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     buf = conn.buf
     delivered = in_window = 0
     last_tag = acked = 0
+    got_bytes = 0
+    # delivered half-way through and at the stop, counting what was on its way in the sockets then
+    marks, passed = [(start + stop) / 2, stop], []
     while time.time() < stop + 2:
+        if len(passed) < len(marks) and time.time() >= marks[len(passed)]:
+            waiting = socket_queues(sock)["from_peer"] + len(buf)
+            passed.append(delivered + (waiting * delivered // got_bytes if got_bytes else 0))
         try:
             data = sock.recv(CHUNK)
         except socket.timeout:
@@ -218,6 +294,7 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
         if not data:
             break
         buf += data
+        got_bytes += len(data)
         found, used = frames_in(buf)
         now = time.time()
         for ftype, _, ps, pe in found:
@@ -233,6 +310,8 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
             acked = last_tag
     counts.put(("delivered", in_window))
     counts.put(("delivered_by_end", delivered))
+    passed += [delivered] * (len(marks) - len(passed))
+    counts.put(("written", (passed[1], passed[0])))
     sock.close()
 
 
@@ -275,11 +354,14 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     procs.append(ctx.Process(target=depth_sampler, args=(port, queue, start, stop, counts)))
     for p in procs[1:]:
         p.start()
-    got: dict[str, int] = {}
+    got: dict = {}
     closed = []
-    for _ in range(len(procs) + 2):         # the consumer and the sampler report twice
+    for _ in range(2 * len(procs) + 1):     # each publisher and the sampler report twice, the consumer thrice
         kind, n, *why = counts.get(timeout=seconds + 60)
-        got[kind] = got.get(kind, 0) + n
+        if type(n) is tuple:                # (at the stop, half-way)
+            got[kind] = tuple(map(sum, zip(got.get(kind, (0, 0)), n)))
+        else:
+            got[kind] = got.get(kind, 0) + n
         if why and why[0]:
             closed.append(why[0])
     for p in procs:
@@ -289,13 +371,18 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     if closed:                              # what it sent after that was never taken: no rate to give
         raise SystemExit(f"raw driver: the broker closed a publisher: {closed[0]}")
     sent, delivered = got.get("sent", 0), got.get("delivered", 0)
-    left = sent - got.get("delivered_by_end", 0)
+    # What the broker held (read off the publishers' sockets, not yet written to the consumer's; wherever
+    # it keeps it: queue, mailboxes, rings, unparsed input) half-way through and when publishing stopped.
+    # Each publisher's credit keeps some in flight, so what tells a growing backlog is the difference.
+    (taken_stop, taken_mid), (written_stop, written_mid) = got.get("taken", (0, 0)), got.get("written", (0, 0))
+    held_mid, held = max(0, taken_mid - written_mid), max(0, taken_stop - written_stop)
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,
             "depth_max": got.get("depth_max", 0), "depth_end": got.get("depth_end", 0),
-            # 2 s after the publishers stopped, over OVERRUN of what they published had still not reached
-            # the consumer: the broker took publishes faster than it delivered them and its backlog grew,
-            # so the deliver rate is what a starved consumer got, not the broker's throughput
-            "overrun": sent > 0 and left > OVERRUN * sent}
+            "held_mid": held_mid, "held_at_stop": held,
+            # over the second half what the broker held grew by more than OVERRUN of what the window
+            # delivered: it took publishes faster than it delivered them, so the deliver rate is what a
+            # starved consumer got, not the broker's throughput
+            "overrun": held - held_mid > OVERRUN * max(1, delivered)}
 
 
 def main() -> int:
@@ -312,7 +399,9 @@ def main() -> int:
     a = ap.parse_args()
     res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue, a.rate)
     print(f"delivered {res['deliver_rate']:,.0f} msg/s, published {res['publish_rate']:,.0f} msg/s, "
-          f"queue depth at most {res['depth_max']:,} (last sample {res['depth_end']:,})")
+          f"queue depth at most {res['depth_max']:,} (last sample {res['depth_end']:,}), held by the broker "
+          f"{res['held_mid']:,} half-way and {res['held_at_stop']:,} at the stop"
+          + (" (its backlog grew)" if res["overrun"] else ""))
     return 0
 
 

@@ -53,6 +53,18 @@ def test_the_depth_sampler_reports_what_the_queue_holds_ready(broker):
     assert got == {"depth_max": 300, "depth_end": 300}, got
 
 
+def test_a_backlog_that_grows_is_told_from_what_credit_holds_in_flight(start_broker):
+    """A queue slowed to 20,000 msg/s behind an unpaced publisher: with credit the broker holds a level
+    amount (each hop's credit, the reader's unparsed input) and the run is not starred; without credit
+    what it holds grows through the run, wherever it keeps it, and the run is starred."""
+    driver = raw_driver()
+    level = driver.run(start_broker("--queue-delay-us", "50").port, seconds=3, queue="raw-level")
+    assert not level["overrun"] and level["held_at_stop"] < 20_000, level
+    grew = driver.run(start_broker("--queue-delay-us", "50", "--credit", "0,0", name="no-credit").port, seconds=3,
+                      queue="raw-grew")
+    assert grew["overrun"] and grew["held_at_stop"] > grew["held_mid"] + 20_000, grew
+
+
 def cpu_per_message():
     loader = importlib.machinery.SourceFileLoader("cpu_per_message", str(ROOT / "scripts" / "cpu_per_message"))
     spec = importlib.util.spec_from_loader(loader.name, loader)
