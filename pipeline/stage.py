@@ -12,9 +12,8 @@ the peer's doorbell; the matching :class:`InLink` reads them and answers with
 tokens on the sender's inbox. Credit is counted per link id on both ends, so
 ``CreditFlow`` keys are link ids. A stage sleeps in ``select`` until one of
 its endpoints has something; it pushes ``statistics`` to the supervisor at
-most every ``STATS_INTERVAL_MS`` while busy, at once on a block or unblock (at most every
-``STATE_PUSH_MIN_MS``),
-and once more when it goes idle. ``statistics`` returns the stage's frozen
+most every ``STATS_INTERVAL_MS`` while busy, at once on a block or unblock
+(but at most every ``STATE_PUSH_MIN_MS``), and once more when it goes idle. ``statistics`` returns the stage's frozen
 dataclass of :mod:`pipeline.telemetry.schema` (``StageStats`` and a subclass
 per kind); the message is its ``to_dict()``, cut to the busiest links when
 it would not fit a control message (``busiest_links``).
