@@ -163,14 +163,21 @@ def broker_closed(sock, buf: bytearray) -> str | None:
     return closed_in(buf)
 
 
-def socket_queues(sock) -> dict[str, int]:
-    """Bytes waiting in the kernel on both ends of a loopback TCP connection, from /proc/net/tcp: what
-    this side wrote and the peer has not read (``to_peer``: our send queue and its receive queue), and
-    what the peer wrote and we have not read (``from_peer``). Zeros where the lines are not found."""
+def loopback_ends(sock) -> tuple[str, str]:
+    """How /proc/net/tcp names this end and the peer's of an IPv4 connection (read once: a reset socket
+    has no peer name any more)."""
     def key(addr) -> str:
         host, port = addr[:2]
-        return f"{int.from_bytes(socket.inet_aton(host), 'little'):08X}:{port:04X}"
-    mine, theirs = key(sock.getsockname()), key(sock.getpeername())
+        return f"{int.from_bytes(socket.inet_aton(host), sys.byteorder):08X}:{port:04X}"
+    return key(sock.getsockname()), key(sock.getpeername())
+
+
+def socket_queues(ends: tuple[str, str]) -> dict[str, int]:
+    """Bytes waiting in the kernel on both ends of a loopback TCP connection (``loopback_ends``), from
+    /proc/net/tcp: what this side wrote and the peer has not read (``to_peer``: our send queue and its
+    receive queue), and what the peer wrote and we have not read (``from_peer``). Zeros where the lines
+    are not found (a connection already gone)."""
+    mine, theirs = ends
     out = {"to_peer": 0, "from_peer": 0}
     try:
         with open("/proc/net/tcp") as f:
@@ -196,8 +203,10 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
     batch = publishes(queue, size, persistent, conn.frame_max, BATCH)
+    view = memoryview(batch)                 # what a partial send left goes on without a copy
     one = len(batch) / BATCH                 # bytes of one publish on the wire
     sock = conn.sock
+    ends = loopback_ends(sock)
     # A send waits at most this long, so a publisher held back by the broker still notices the half-way
     # mark and the stop in time, and counts what the kernel took to the byte.
     sock.settimeout(SEND_WAIT_S)
@@ -210,63 +219,64 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     gap = BATCH / rate if rate else 0.0      # paced: a batch every gap seconds, no catching up after a stall
     due = start
     mid = (start + stop) / 2
-    taken_mid = 0                            # publishes the broker had read off this socket half-way through
-    while True:
-        now = time.time()
-        if now >= stop:
-            break
-        if not taken_mid and now >= mid:
-            taken_mid = taken_by_broker(sock, sent_bytes, one)
-        if pending:
-            try:
-                n = sock.send(batch[len(batch) - pending:])
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                closed = f"the connection failed: {exc}"
+    taken_mid = None                         # publishes the broker had read off this socket half-way through
+    try:
+        while True:
+            now = time.time()
+            if now >= stop:
                 break
-            sent_bytes += n
-            pending -= n
-            if not pending:
-                sent += BATCH
-            continue
-        if confirm and sent - confirmed + BATCH > confirm:
-            try:
-                data = sock.recv(CHUNK)
-            except socket.timeout:
+            if taken_mid is None and now >= mid:
+                taken_mid = taken_by_broker(ends, sent_bytes, one)
+            if pending:
+                try:
+                    n = sock.send(view[len(batch) - pending:])
+                except socket.timeout:
+                    continue
+                sent_bytes += n
+                pending -= n
+                if not pending:
+                    sent += BATCH
                 continue
-            if not data:
-                closed = "the broker closed the connection"
-                break
-            buf += data
-            found, used = frames_in(buf)
-            for ftype, _, ps, pe in found:
-                if ftype == 1:
-                    if buf[ps:ps + 4] == ACK:
-                        confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
-                    elif closed is None:
-                        closed = close_reply(buf, ps)
-            del buf[:used]
+            if confirm and sent - confirmed + BATCH > confirm:
+                try:
+                    data = sock.recv(CHUNK)
+                except socket.timeout:
+                    continue
+                if not data:
+                    closed = "the broker closed the connection"
+                    break
+                buf += data
+                found, used = frames_in(buf)
+                for ftype, _, ps, pe in found:
+                    if ftype == 1:
+                        if buf[ps:ps + 4] == ACK:
+                            confirmed = struct.unpack_from(">Q", buf, ps + 4)[0]
+                        elif closed is None:
+                            closed = close_reply(buf, ps)
+                del buf[:used]
+                if closed:
+                    break
+                continue
+            closed = broker_closed(sock, buf)
             if closed:
                 break
-            continue
-        closed = broker_closed(sock, buf)
-        if closed:
-            break
-        if gap:
-            if now < due:
-                time.sleep(due - now)
-            due = max(due + gap, time.time() - gap)
-        pending = len(batch)
-    counts.put(("sent", sent, closed))
-    counts.put(("taken", (taken_by_broker(sock, sent_bytes, one), taken_mid)))
-    sock.close()
+            if gap:
+                if now < due:
+                    time.sleep(due - now)
+                due = max(due + gap, time.time() - gap)
+            pending = len(batch)
+    except OSError as exc:                   # reset, broken pipe: the run ends with the reason
+        closed = closed or f"the connection failed: {exc}"
+    finally:                                 # reported whatever happened: the run waits for both
+        counts.put(("sent", sent, closed))
+        counts.put(("taken", (taken_by_broker(ends, sent_bytes, one), taken_mid or 0)))
+        sock.close()
 
 
-def taken_by_broker(sock, sent_bytes: int, one: float) -> int:
-    """Publishes the broker has read off this socket: what the kernel took from us less what still waits
-    in the buffers of either end."""
-    return int(max(0, sent_bytes - socket_queues(sock)["to_peer"]) // one)
+def taken_by_broker(ends: tuple[str, str], sent_bytes: int, one: float) -> int:
+    """Publishes the broker has read off this connection: what the kernel took from us less what still
+    waits in the buffers of either end."""
+    return int(max(0, sent_bytes - socket_queues(ends)["to_peer"]) // one)
 
 
 def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts) -> None:
@@ -276,6 +286,7 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     conn.call(commands.Basic.Consume(queue=queue, no_ack=no_ack), "Basic.ConsumeOk")
     ready.set()
     sock = conn.sock
+    ends = loopback_ends(sock)
     sock.settimeout(0.2)
     buf = conn.buf
     delivered = in_window = 0
@@ -285,7 +296,7 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     marks, passed = [(start + stop) / 2, stop], []
     while time.time() < stop + 2:
         if len(passed) < len(marks) and time.time() >= marks[len(passed)]:
-            waiting = socket_queues(sock)["from_peer"] + len(buf)
+            waiting = socket_queues(ends)["from_peer"] + len(buf)
             passed.append(delivered + (waiting * delivered // got_bytes if got_bytes else 0))
         try:
             data = sock.recv(CHUNK)

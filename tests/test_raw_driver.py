@@ -53,6 +53,19 @@ def test_the_depth_sampler_reports_what_the_queue_holds_ready(broker):
     assert got == {"depth_max": 300, "depth_end": 300}, got
 
 
+def test_a_broker_that_goes_away_mid_run_ends_the_run_with_the_reason_at_once(broker):
+    """The publishers' sockets are reset: each still reports (its count and what the broker took), so the
+    run ends with the reason instead of waiting a minute for a report that never comes."""
+    import threading
+    import time
+
+    threading.Timer(3.0, broker.stop).start()        # 1 s into the publishing window
+    began = time.monotonic()
+    with pytest.raises(SystemExit, match="closed a publisher"):
+        raw_driver().run(broker.port, size=100, seconds=4, queue="raw-gone")
+    assert time.monotonic() - began < 20
+
+
 def test_a_backlog_that_grows_is_told_from_what_credit_holds_in_flight(start_broker):
     """A queue slowed to 20,000 msg/s behind an unpaced publisher: with credit the broker holds a level
     amount (each hop's credit, the reader's unparsed input) and the run is not starred; without credit
