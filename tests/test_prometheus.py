@@ -102,10 +102,14 @@ def test_metrics_show_a_channel_in_flow_behind_a_slow_queue(start_broker):
     publisher.start()
     try:
         def flowing():
+            # A state change is pushed within 10 ms, the counters with the next regular statistics
+            # push: wait for both rather than read the counters in the same scrape as the first flow.
             got = scrape()
-            return got if any(lb["state"] == "flow" and v == 1 and lb["kind"] in ("reader", "channel")
-                              for lb, v in got.get("creditflow_process_state", [])) else None
-        got = wait_until(flowing, timeout_s=20, what="a reader or channel in flow in /metrics")
+            in_flow = any(lb["state"] == "flow" and v == 1 and lb["kind"] in ("reader", "channel")
+                          for lb, v in got.get("creditflow_process_state", []))
+            received = got.get("rabbitmq_global_messages_received_total", [({}, 0)])[0][1]
+            return got if in_flow and received > 0 else None
+        got = wait_until(flowing, timeout_s=20, what="a reader or channel in flow and messages received in /metrics")
     finally:
         stop.set()
         publisher.join(30)
