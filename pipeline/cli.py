@@ -256,8 +256,8 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                         "handshake_timeout, default 10; 0: none)")
     g.add_argument("--pool", type=nonneg_int, default=None, metavar="N",
                    help="processes that run readers, and as many for channels and for queues, each serving "
-                        "many (default: one per core); 0: a process of its own for every connection, "
-                        "channel and queue")
+                        "many (default: one per core for channels and queues, two per core for readers); "
+                        "0: a process of its own for every connection, channel and queue")
     g.add_argument("--telemetry", choices=("on", "off"), default="on",
                    help="on (default): statistics snapshots every 100 ms and state changes in "
                         "DATA_DIR/telemetry for the report; off: neither (log, events and summary stay)")
@@ -296,7 +296,7 @@ def broker_config(args, data_dir: str, port: int):
                   "strategy": args.memory_strategy, "memory_interval_ms": args.memory_poll_ms},
         paging_ratio=args.paging_ratio, telemetry=args.telemetry == "on", management_port=management_port(args),
         scheduling=args.scheduling,
-        **({} if args.pool is None else {"pool": args.pool}),
+        **({} if args.pool is None else {"pool": args.pool, "reader_pool": args.pool}),
         **({} if args.arena_mb is None else {"arena_mb": args.arena_mb}))
 
 

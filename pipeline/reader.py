@@ -42,8 +42,13 @@ from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
 # One socket read: a publisher streaming big messages gets several taken per turn, not one or two.
-# This much unparsed input at most waits in the reader of a connection that is blocked.
+# A turn reads again while a read filled its buffer, up to RECVS_PER_TURN reads: what the turn hands
+# on in one ring batch (at 64 KiB, 16 messages rather than 4), so the channel and the queue behind
+# pay for a wake-up once per 1 MiB (4 KiB 1 -> 1: 62,500-62,800 -> 70,700-72,100 msg/s with the raw
+# driver). Each read is parsed before the next: this much unparsed input at most waits in the reader
+# of a connection that is blocked.
 RECV_BYTES = 256 * 1024
+RECVS_PER_TURN = 4
 OUTBUF_HIGH_BYTES = 1024 * 1024      # stop draining deliveries above this much unsent
 IOV_MAX = 1024                       # pieces one sendmsg takes (Linux's UIO_MAXIOV)
 CLOSE_TIMEOUT_NS = 1_000_000_000
@@ -235,23 +240,31 @@ class Reader(Stage):
             return
         # The inbox first: an alarm the supervisor delivered before this data arrived applies to it
         # (ctl set-watermark returns once every reader's inbox holds the alarm).
-        self.handle_tokens(time.monotonic_ns())
-        self.read_socket()
+        now_ns = time.monotonic_ns()
+        self.handle_tokens(now_ns)
+        self.read_socket(now_ns)
 
-    def read_socket(self) -> None:
-        if (self.throttle.reading or self.closing_since_ns is not None) and not self.eof:
+    def read_socket(self, now_ns: int) -> None:
+        """Read while each read fills its buffer, RECVS_PER_TURN reads at most, parsing what one read
+        brought before the next: a connection that blocks on it stops reading with RECV_BYTES unparsed
+        at most."""
+        for _ in range(RECVS_PER_TURN):
+            if not (self.throttle.reading or self.closing_since_ns is not None) or self.eof:
+                return
             try:
                 data = self.sock.recv(RECV_BYTES)
             except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                data = None
+                return
             except OSError:
                 data = b""
-            if data is not None:
-                if not data:
-                    self.eof = True
-                self.recv_oct += len(data)
-                self.conn.receive_data(data)
-                self.dirty = True
+            if not data:
+                self.eof = True
+            self.recv_oct += len(data)
+            self.conn.receive_data(data)
+            self.dirty = True
+            if len(data) < RECV_BYTES:
+                return
+            self.parse(now_ns)
 
     def handshake(self) -> None:
         """One step of the TLS handshake; a client that fails it is dropped, as RabbitMQ's listener does."""
@@ -390,7 +403,7 @@ class Reader(Stage):
     # -- the loop's hooks --------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
         if self.tls and not self.handshaking and self.sock.pending():
-            self.read_socket()          # decrypted bytes the kernel's readiness cannot show
+            self.read_socket(now_ns)    # decrypted bytes the kernel's readiness cannot show
             self.backlog = self.backlog or bool(self.sock.pending())
         self.parse(now_ns)
         due = self.conn.next_tick_ns()
