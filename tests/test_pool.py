@@ -69,3 +69,19 @@ def test_many_queues_share_two_processes_and_deleted_queues_leave_no_ring_file_o
     assert [j for j in os.listdir(broker.data_dir / "queues") if j.startswith(("d", "x", "a"))] == []
     conn.close()
     auto.close()
+
+
+def test_by_default_a_consumer_an_idle_connection_and_a_publisher_each_get_a_reader_process(start_broker):
+    # Connections are placed as they open, before anyone knows which will publish: with one reader
+    # host per core, the publisher opened after an idle connection landed beside the consumer.
+    broker = start_broker()
+    conns = [connect(broker) for _ in range(3)]
+    try:
+        status = broker.wait_for(lambda s: sum(h["stages"] for h in s["hosts"].values() if h["kind"] == "reader")
+                                 == 3, what="three readers in their hosts")
+        pids = {p["pid"] for n, p in status["processes"].items() if n.startswith("reader-") and p["alive"]}
+        assert len(pids) == min(3, 2 * (os.cpu_count() or 1)), status["hosts"]
+        assert len([h for h in status["hosts"].values() if h["kind"] == "channel"]) <= (os.cpu_count() or 1)
+    finally:
+        for conn in conns:
+            conn.close()
