@@ -622,11 +622,14 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
     started = time.monotonic()
     pid, port = broker.proc.pid, broker.port
     shm_prefix = f"creditflow-{broker.info['run_id']}"
-    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-    ch = conn.channel()
+    # As many connections at once as the inputs will open: every reader host the pool starts on the
+    # way (two per core) is running before the baseline is taken, not counted as a leak later.
+    conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port)) for _ in range(WORKERS)]
+    ch = conns[0].channel()
     for name in (*POOL_QUEUES, HEALTH_QUEUE):
         ch.queue_declare(name)
-    conn.close()
+    for conn in conns:
+        conn.close()
     pika_round_trip(port, broker, "before any input")
     _, base = wait_settled(broker, shm_prefix, None)
     assert base is not None, "the broker never settled after the setup's connections"
