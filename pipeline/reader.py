@@ -37,7 +37,7 @@ from pipeline.amqp.connection import (BodyParts, ChannelClose, ChannelCloseOk, C
                                       Closed, CloseRequested, HandshakeTimeout, HeartbeatTimeout, Method,
                                       ProtocolError, Publish, ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
-from pipeline.stage import Stage
+from pipeline.stage import TURN_BUDGET_NS, Stage
 from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
 from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
 
@@ -193,6 +193,7 @@ class Reader(Stage):
         self.loans: list = []                # (arena, slot, entry) of deliveries lent by reference, not yet sent
         self.interest = 0
         self.eof = False
+        self.readable = False                # the socket was ready: read it in this turn
         self.closing_since_ns: int | None = None
         self.quiet_until_ns = 0              # a refused login is answered (or dropped) only then
         self.publishes = 0
@@ -240,16 +241,23 @@ class Reader(Stage):
             self.handshake()
             return
         # The inbox first: an alarm the supervisor delivered before this data arrived applies to it
-        # (ctl set-watermark returns once every reader's inbox holds the alarm).
-        now_ns = time.monotonic_ns()
-        self.handle_tokens(now_ns)
-        self.read_socket(now_ns)
+        # (ctl set-watermark returns once every reader's inbox holds the alarm). The socket is read
+        # in the turn (after_io), where the host's consumer bias and the turn's budget apply.
+        self.handle_tokens(time.monotonic_ns())
+        self.readable = True
 
     def read_socket(self, now_ns: int) -> None:
         """Read while each read fills its buffer, RECVS_PER_TURN reads at most, parsing what one read
-        brought before the next: a connection that blocks on it stops reading with RECV_BYTES unparsed
-        at most."""
-        for _ in range(RECVS_PER_TURN):
+        brought before the next: a connection that blocks (or cannot parse: a channel opening, the
+        connection closing) stops reading with one read unparsed at most. Tokens are read between
+        reads, so an alarm or a credit bump that comes meanwhile applies to the next read."""
+        for i in range(RECVS_PER_TURN):
+            if i:
+                self.parse(now_ns)
+                if (self.opening or self.closing_since_ns is not None or self.conn.buffered_bytes() >= RECV_BYTES
+                        or time.monotonic_ns() - now_ns >= TURN_BUDGET_NS):
+                    return
+                self.handle_tokens(time.monotonic_ns())
             if not (self.throttle.reading or self.closing_since_ns is not None) or self.eof:
                 return
             try:
@@ -265,7 +273,6 @@ class Reader(Stage):
             self.dirty = True
             if len(data) < RECV_BYTES:
                 return
-            self.parse(now_ns)
 
     def handshake(self) -> None:
         """One step of the TLS handshake; a client that fails it is dropped, as RabbitMQ's listener does."""
@@ -403,6 +410,9 @@ class Reader(Stage):
 
     # -- the loop's hooks --------------------------------------------------------
     def after_io(self, now_ns: int) -> None:
+        if self.readable:
+            self.readable = False
+            self.read_socket(now_ns)
         if self.tls and not self.handshaking and self.sock.pending():
             self.read_socket(now_ns)    # decrypted bytes the kernel's readiness cannot show
             self.backlog = self.backlog or bool(self.sock.pending())

@@ -131,9 +131,10 @@ class BrokerConfig:
     tls_key: str | None = None
     # hosts per kind for readers, channels and queues (pipeline.host); 0: a process of its own for each
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
-    # hosts for readers; None: twice ``pool``. Connections are placed as they open, before anyone knows
-    # which will publish and which consume: with one host per core, a publisher opened after an idle
-    # connection shared a host (and a core) with the consumer's reader half the time, at 70% of the rate.
+    # hosts for readers; None (or 0): twice ``pool``, or ``pool`` where /dev/shm is too small for as
+    # many body arenas. Connections are placed as they open, before anyone knows which will publish
+    # and which consume: with one host per core, a publisher opened after a consumer and an idle
+    # connection shared the consumer's host (and core), and 64 KiB 1 -> 1 ran 25% slower.
     reader_pool: int | None = None
     management_port: int | None = None     # the management API and /metrics on 127.0.0.1 (0: any free port)
     arena_mb: int = _bodies.ARENA_MB       # each reader host's arena for bodies by reference; 0: bodies by copy
@@ -175,11 +176,19 @@ class LinkRec:
     flow: bool
 
 
-def reader_hosts(cfg: BrokerConfig) -> int:
-    """How many hosts run readers (0 with ``pool`` 0: a process of its own for each)."""
+def plan_reader_hosts(cfg: BrokerConfig, fit_arenas) -> tuple[int, int, str | None]:
+    """(reader hosts, each one's body arena in bytes, a line to log or None). Twice ``pool`` unless
+    ``reader_pool`` says; 0 with ``pool`` 0 (a process of its own for each reader). Where /dev/shm
+    cannot hold that many arenas at full size (a container's), one host per core, each with a
+    bigger arena. ``fit_arenas(bytes wanted, count)`` is ``pipeline.broker.bodies.fit_arenas``."""
     if not cfg.pool:
-        return 0
-    return 2 * cfg.pool if cfg.reader_pool is None else cfg.reader_pool
+        return 0, 0, None
+    readers = cfg.reader_pool or 2 * cfg.pool
+    arena_bytes, note = fit_arenas(cfg.arena_mb * 1024 * 1024, readers + 1)
+    if note and not cfg.reader_pool and readers > cfg.pool:
+        readers = cfg.pool
+        arena_bytes, note = fit_arenas(cfg.arena_mb * 1024 * 1024, readers + 1)
+    return readers, arena_bytes, note
 
 
 def is_loopback(host: str) -> bool:
@@ -265,8 +274,8 @@ class Supervisor:
         self.owner = shm.SegmentOwner(self.run_id)
         # made before any fork, so every stage process maps them (pipeline.broker.bodies)
         self.bodies = None
-        readers = reader_hosts(cfg)
-        arena_bytes, arena_note = _bodies.fit_arenas(cfg.arena_mb * 1024 * 1024 if readers else 0, readers + 1)
+        readers, arena_bytes, arena_note = plan_reader_hosts(cfg, _bodies.fit_arenas)
+        self.reader_host_count = readers
         if arena_bytes:
             self.bodies = _bodies.Bodies.create(self.owner, readers + 1, arena_bytes)
         _bodies.install(self.bodies)
@@ -467,7 +476,7 @@ class Supervisor:
         """The running host of ``kind`` with the fewest stages; a new one while the pool is not full."""
         hosts = [p for p in self.procs.values() if p.kind == "host" and p.number == HOSTED_KINDS.index(kind)
                  and p.state == "running"]
-        size = reader_hosts(self.cfg) if kind == "reader" else self.cfg.pool
+        size = self.reader_host_count if kind == "reader" else self.cfg.pool
         if len(hosts) < size:
             taken = {p.name for p in hosts}
             name = next(f"{kind}-pool-{i}" for i in range(1, size + 2) if f"{kind}-pool-{i}" not in taken)

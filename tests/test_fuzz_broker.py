@@ -622,12 +622,14 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
     started = time.monotonic()
     pid, port = broker.proc.pid, broker.port
     shm_prefix = f"creditflow-{broker.info['run_id']}"
-    # As many connections at once as the inputs will open: every reader host the pool starts on the
-    # way (two per core) is running before the baseline is taken, not counted as a leak later.
-    conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port)) for _ in range(WORKERS)]
-    ch = conns[0].channel()
+    # Hosts start as stages need them and stay: a connection with a channel for each reader host the
+    # pool may start (two per core) and each channel host (one per core), so all of them are running
+    # before the baseline is taken, not counted as a leak later.
+    conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+             for _ in range(2 * (os.cpu_count() or 1))]
+    channels = [conn.channel() for conn in conns]
     for name in (*POOL_QUEUES, HEALTH_QUEUE):
-        ch.queue_declare(name)
+        channels[0].queue_declare(name)
     for conn in conns:
         conn.close()
     pika_round_trip(port, broker, "before any input")

@@ -77,11 +77,38 @@ def test_by_default_a_consumer_an_idle_connection_and_a_publisher_each_get_a_rea
     broker = start_broker()
     conns = [connect(broker) for _ in range(3)]
     try:
-        status = broker.wait_for(lambda s: sum(h["stages"] for h in s["hosts"].values() if h["kind"] == "reader")
-                                 == 3, what="three readers in their hosts")
-        pids = {p["pid"] for n, p in status["processes"].items() if n.startswith("reader-") and p["alive"]}
-        assert len(pids) == min(3, 2 * (os.cpu_count() or 1)), status["hosts"]
-        assert len([h for h in status["hosts"].values() if h["kind"] == "channel"]) <= (os.cpu_count() or 1)
+        for conn in conns:
+            conn.channel()
+
+        def alive(status, kind):
+            return [p for n, p in status["processes"].items() if n.startswith(f"{kind}-") and p.get("alive")]
+        status = broker.wait_for(lambda s: len(alive(s, "reader")) == 3 and len(alive(s, "channel")) == 3,
+                                 what="three readers and three channels reporting")
+        assert len({p["pid"] for p in alive(status, "reader")}) == min(3, 2 * (os.cpu_count() or 1)), status["hosts"]
+        # channels keep one host per core: three channels on a 2-core machine share
+        assert len({p["pid"] for p in alive(status, "channel")}) == min(3, os.cpu_count() or 1), status["hosts"]
     finally:
         for conn in conns:
             conn.close()
+
+
+def test_reader_hosts_are_twice_the_pool_unless_shm_cannot_hold_their_arenas():
+    from pipeline.broker.bodies import MIB
+    from pipeline.supervisor import BrokerConfig, plan_reader_hosts
+
+    def roomy(wanted, count):
+        return wanted, None
+
+    def holds(total_mib):       # a /dev/shm of which half may go to arenas, as fit_arenas reckons
+        def fit(wanted, count):
+            size = min(wanted, total_mib * MIB // 2 // count) & -MIB
+            return (wanted, None) if size >= wanted else (size, f"{count} arenas of {size // MIB} MiB")
+        return fit
+    cfg = BrokerConfig(data_dir="/nonexistent", pool=2, arena_mb=64)
+    assert plan_reader_hosts(cfg, roomy) == (4, 64 * MIB, None)
+    # 5 arenas of 64 MiB do not fit in half of 512 MiB, 3 do: one reader host per core
+    assert plan_reader_hosts(cfg, holds(512)) == (2, 64 * MIB, None)
+    readers, size, note = plan_reader_hosts(cfg, holds(256))
+    assert (readers, size) == (2, 42 * MIB) and note
+    assert plan_reader_hosts(BrokerConfig(data_dir="/x", pool=2, reader_pool=3), holds(256))[0] == 3
+    assert plan_reader_hosts(BrokerConfig(data_dir="/x", pool=0), roomy) == (0, 0, None)
