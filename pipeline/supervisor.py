@@ -188,6 +188,7 @@ def plan_reader_hosts(cfg: BrokerConfig, fit_arenas) -> tuple[int, int, str | No
     if note and not cfg.reader_pool and readers > cfg.pool:
         readers = cfg.pool
         arena_bytes, note = fit_arenas(cfg.arena_mb * 1024 * 1024, readers + 1)
+        note = (note or f"body arenas of {cfg.arena_mb} MiB") + f": readers run in {readers} hosts, one per core"
     return readers, arena_bytes, note
 
 

@@ -106,9 +106,10 @@ def test_reader_hosts_are_twice_the_pool_unless_shm_cannot_hold_their_arenas():
         return fit
     cfg = BrokerConfig(data_dir="/nonexistent", pool=2, arena_mb=64)
     assert plan_reader_hosts(cfg, roomy) == (4, 64 * MIB, None)
-    # 5 arenas of 64 MiB do not fit in half of 512 MiB, 3 do: one reader host per core
-    assert plan_reader_hosts(cfg, holds(512)) == (2, 64 * MIB, None)
+    # 5 arenas of 64 MiB do not fit in half of 512 MiB, 3 do: one reader host per core, and the log says so
+    readers, size, note = plan_reader_hosts(cfg, holds(512))
+    assert (readers, size) == (2, 64 * MIB) and note.endswith("readers run in 2 hosts, one per core")
     readers, size, note = plan_reader_hosts(cfg, holds(256))
-    assert (readers, size) == (2, 42 * MIB) and note
+    assert (readers, size) == (2, 42 * MIB) and note.startswith("3 arenas of 42 MiB")
     assert plan_reader_hosts(BrokerConfig(data_dir="/x", pool=2, reader_pool=3), holds(256))[0] == 3
     assert plan_reader_hosts(BrokerConfig(data_dir="/x", pool=0), roomy) == (0, 0, None)
