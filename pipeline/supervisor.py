@@ -939,8 +939,10 @@ class Supervisor:
     def declare_queue(self, channel: Proc, msg: dict) -> None:
         name = msg["queue"]
         qdef = self.defs.queues.get(name)
-        if qdef is not None and qdef.deleting:
-            self.after_deletion.setdefault(name, []).append((channel.name, msg))   # answered once it is gone
+        if (qdef.deleting if qdef is not None else f"queue-{name}" in self.procs):
+            # answered once it is gone: the queue being deleted, or the process of one deleted a moment
+            # ago (a new queue of the same name must not start beside it, under its name)
+            self.after_deletion.setdefault(name, []).append((channel.name, msg))
             return
         try:
             qdef, made = self.defs.declare_queue(
@@ -1431,6 +1433,8 @@ class Supervisor:
             self.drop_link(link_id, gone=proc.name, reason=reason)
         getattr(self, f"after_{verdict.action}")(proc, verdict)
         self.forget_ended(proc.name)
+        if proc.kind == "queue" and proc.name not in self.procs:
+            self.replay_declares(proc.name[len("queue-"):])     # declares that waited for it to go
 
     def close_proc(self, proc: Proc) -> None:
         """Take what it said last (a log line, final statistics), then close its endpoints here."""

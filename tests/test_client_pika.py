@@ -218,6 +218,22 @@ def test_an_internal_exchange_takes_messages_only_from_exchanges_bound_to_it(amq
         assert depth(ch, q) == 0
 
 
+def test_a_queue_deleted_and_declared_again_at_once_is_a_new_empty_queue(amqp):
+    """queue.delete then queue.declare of the same name, straight after, as a client that resets its
+    queues does: the declare is answered, the new queue is empty, and it works."""
+    q = amqp.name("again")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for n in range(10):
+            assert ch.queue_declare(q, durable=True).method.message_count == 0
+            ch.basic_publish("", q, b"round %d" % n, pika.BasicProperties(delivery_mode=2))
+            assert ch.queue_delete(q).method.message_count == 1
+        ch.queue_declare(q, durable=True)
+        ch.basic_publish("", q, b"last")
+        assert bodies(ch, q, 1) == [b"last"]
+
+
 # -- transactions ----------------------------------------------------------------------------------
 def test_transactions_publish_and_ack_only_on_commit(amqp):
     q = amqp.name("tx")
