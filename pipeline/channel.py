@@ -55,6 +55,7 @@ BASIC_CONSUME, BASIC_CANCEL, BASIC_GET = (60, 20), (60, 30), (60, 70)
 REPLY_TO = "amq.rabbitmq.reply-to"
 REPLY_TO_BIT_HIGH = props.REPLY_TO_BIT >> 8      # the reply_to flag, in the first byte of the property flags
 EXPIRATION_BIT_HIGH = props.EXPIRATION_BIT >> 8
+KNOWN_ROUTES_MAX = 1024      # routes a channel remembers (forgotten all at once past this, and on any change)
 
 
 class ChannelError(Exception):
@@ -104,6 +105,9 @@ class Channel(Stage):
         self.queues: dict[bytes, QueueLinks] = {}
         self.by_in_link: dict[int, QueueLinks] = {}
         self.missing: dict[bytes, tuple[int, str]] = {}   # known not to exist (until a routing change): why
+        # exchange and routing key as they stand in a publish -> (queue names, their links): routes whose
+        # queues are all linked, forgotten when the bindings, the links or the channel's mode change
+        self.known_routes: dict[bytes, tuple[tuple, list]] = {}
         self.waiting: tuple | None = None         # ("link"|"queue", name) or ("broker",): the answer awaited
         self.then = None                          # what to do with it (an op for ``replay``, or an answer)
         self.held: collections.deque = collections.deque()   # client records after the one that waits
@@ -136,6 +140,7 @@ class Channel(Stage):
             if out is not None and inp is not None:
                 q = QueueLinks(name, out, inp)
                 self.queues[name] = q
+                self.known_routes.clear()
                 self.by_in_link[q.inp.link_id] = q
                 self.missing.pop(name, None)
             self.answered(("link", name), q)
@@ -151,6 +156,7 @@ class Channel(Stage):
             else:
                 self.routing.apply(msg["changes"])
             self.missing.clear()                  # a queue may exist now
+            self.known_routes.clear()
         elif kind == "reply":
             self.answered(("broker",), msg)
 
@@ -287,6 +293,14 @@ class Channel(Stage):
             if record[1] & wire.PUB_BODY_REF:
                 self.by_copy(record)            # lets go of the body
             return
+        names, high_flags = wire.content_names(record)
+        known = self.known_routes.get(names)
+        if known is not None and not high_flags & (REPLY_TO_BIT_HIGH | EXPIRATION_BIT_HIGH):
+            flags, seq = wire.publish_head(record)     # a route seen before: what route_publish would do
+            if flags & wire.PUB_CONFIRM:
+                self.frames_out(self.confirms.publish(seq, known[0]))
+            self.send_publish(record, flags, known[1])
+            return
         try:
             record, flags, seq, targets = self.route(record)
         except BaseException:
@@ -294,6 +308,22 @@ class Channel(Stage):
                 self.by_copy(record)
             raise
         self.route_publish(record, flags, seq, targets)
+        self.remember_route(names, targets)
+
+    def remember_route(self, names: bytes, targets) -> None:
+        """Remember the route of a publish just routed, where the next with the same exchange and
+        routing key would take it again without looking: not through a headers exchange (the route
+        depends on each message), not in tx mode, only to queues that are all linked."""
+        if self.delay_ns or not targets or self.confirms.transactional or self.closing:
+            return
+        queues = self.queues
+        if not all(name in queues for name in targets):
+            return
+        if self.routing.needs_headers(names[1:1 + names[0]]):
+            return
+        if len(self.known_routes) >= KNOWN_ROUTES_MAX:
+            self.known_routes.clear()
+        self.known_routes[names] = (tuple(targets), [queues[name] for name in targets])
 
     def route(self, record) -> tuple:
         """Check one publish and find its queues: (record, flags, seq, target queue names)."""
@@ -585,6 +615,7 @@ class Channel(Stage):
 
     def m_Tx_Select(self, m) -> None:
         self.confirms.select_tx()
+        self.known_routes.clear()
         self.reply(commands.Tx.SelectOk())
 
     def m_Tx_Commit(self, m) -> None:
@@ -690,6 +721,7 @@ class Channel(Stage):
         if q is None or self.queues.get(q.name) is not q:
             return
         del self.queues[q.name]
+        self.known_routes.clear()
         self.by_in_link.pop(q.inp.link_id, None)
         self.queue_gone(q, crashed=reason == "crashed")
         if self.waiting == ("queue", q.name):     # it will never answer what we asked

@@ -154,6 +154,16 @@ def content_prop_flags(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
     return _PROP_FLAGS.unpack_from(rec, o + 4)[0] if plen >= 2 else 0
 
 
+def content_names(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, int]:
+    """A content's exchange and routing key as they stand in the record (its two shortstrs as one
+    bytes, a key to remember a route by), and the high byte of its property flags (0 with fewer than
+    two bytes of properties)."""
+    o = offset + 1 + rec[offset]
+    o += 1 + rec[o]
+    (plen,) = _U32.unpack_from(rec, o)
+    return rec[offset:o], (rec[o + 4] if plen > 1 else 0)
+
+
 def content_body_len(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
     o = offset + 1 + rec[offset]
     o += 1 + rec[o]

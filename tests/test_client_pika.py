@@ -234,6 +234,40 @@ def test_a_queue_deleted_and_declared_again_at_once_is_a_new_empty_queue(amqp):
         assert bodies(ch, q, 1) == [b"last"]
 
 
+def test_a_route_a_channel_has_used_follows_every_change_of_bindings_and_queues(amqp):
+    """A channel remembers the queues a publish's exchange and routing key went to; each later publish
+    on it with the same exchange and key must still go where the bindings say now."""
+    x, a, b = amqp.name("moves"), amqp.name("moves-a"), amqp.name("moves-b")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        ch.exchange_declare(x, "direct")
+        ch.queue_declare(a)
+        ch.queue_declare(b)
+        ch.queue_bind(a, x, "k")
+        for n in range(3):
+            ch.basic_publish(x, "k", b"a%d" % n)
+        ch.queue_bind(b, x, "k")
+        ch.basic_publish(x, "k", b"both")
+        ch.queue_unbind(a, x, "k")
+        ch.basic_publish(x, "k", b"b only")
+        assert bodies(ch, a, 4) == [b"a0", b"a1", b"a2", b"both"]
+        assert bodies(ch, b, 2) == [b"both", b"b only"]
+        ch.basic_publish("", a, b"by name")
+        ch.queue_delete(a)
+        ch.queue_declare(a)                     # a new queue of the same name: its own process here
+        ch.basic_publish("", a, b"to the new one")
+        ch.queue_delete(b)
+        ch.queue_declare(b)                     # its binding went with the old one
+        with pytest.raises(pika.exceptions.UnroutableError):
+            ch.basic_publish(x, "k", b"nowhere", mandatory=True)
+        ch.queue_bind(b, x, "k")
+        ch.basic_publish(x, "k", b"bound again")
+        assert bodies(ch, a, 1) == [b"to the new one"]
+        assert bodies(ch, b, 1) == [b"bound again"]
+        assert depth(ch, a) == depth(ch, b) == 0
+
+
 # -- transactions ----------------------------------------------------------------------------------
 def test_transactions_publish_and_ack_only_on_commit(amqp):
     q = amqp.name("tx")

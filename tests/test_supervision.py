@@ -166,13 +166,14 @@ def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consu
     status = broker.wait_for(lambda s: s["processes"]["queue-dq"]["restarts"] > old["restarts"]
                              and s["processes"]["queue-dq"].get("recovered") == 50, what="the restarted queue")
     assert status["processes"]["queue-dq"]["alive"]
+    ch.basic_publish("", "dq", b"after", properties=pika.BasicProperties(delivery_mode=2))   # same channel, same route
     bodies = []
     while True:
         m = ch.basic_get("dq", auto_ack=True)
         if m[0] is None:
             break
         bodies.append(m[2])
-    assert bodies == [f"m{i}".encode() for i in range(50)]
+    assert bodies == [f"m{i}".encode() for i in range(50)] + [b"after"]
     death = [d for d in deaths(broker) if d["name"] == "queue-dq"][0]
     assert death["action"] == "restart" and death["how"] == "killed" and death["restarted_pid"] is not None
     log = broker.output()
