@@ -268,9 +268,11 @@ class Queue(Stage):
             if persistent and self.journal is not None:
                 payload = record = self.let_go(payload)     # journaled: from its own bytes
                 flags &= ~wire.PUB_BODY_REF
-        body_size = wire.content_body_len(record) if type(payload) is not Held else bodies.decode_ref(record)[2]
+        body_size, prop_flags = wire.content_sizes(record)
+        if type(payload) is Held:
+            body_size = bodies.decode_ref(record)[2]
         priority = expiration = raw_expiration = None
-        if wire.content_prop_flags(record) & props.PRIORITY_OR_EXPIRATION:
+        if prop_flags & props.PRIORITY_OR_EXPIRATION:
             priority, raw_expiration = props.priority_expiration(wire.content_props(record))
         if raw_expiration is not None:
             try:
@@ -280,9 +282,9 @@ class Queue(Stage):
         exchange, routing_keys = "", ()
         if self.args.dead_letter_exchange is not None:        # x-death names where the message came from
             exchange, routing_keys = names_of(record)
-        msg = Message(payload, body_size, persistent=bool(persistent), priority=priority, expiration_ms=expiration,
-                      publisher=link.peer if flags & wire.PUB_CONFIRM else None, seq=seq,
-                      exchange=exchange, routing_keys=routing_keys)
+        # positional: a dozen keywords cost this hot path more than the rest of the construction
+        msg = Message(payload, body_size, bool(persistent), priority, expiration,
+                      link.peer if flags & wire.PUB_CONFIRM else None, seq, exchange, routing_keys)
         if type(payload) is Held:
             self.holding[payload] = msg
         keep = persistent and self.journal is not None

@@ -164,6 +164,15 @@ def content_names(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, int
     return rec[offset:o], (rec[o + 4] if plen > 1 else 0)
 
 
+def content_sizes(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[int, int]:
+    """(body bytes, property flags) of a record's content, in one pass (``content_body_len`` and
+    ``content_prop_flags`` together)."""
+    o = offset + 1 + rec[offset]
+    o += 1 + rec[o]
+    (plen,) = _U32.unpack_from(rec, o)
+    return len(rec) - (o + 4 + plen), (_PROP_FLAGS.unpack_from(rec, o + 4)[0] if plen >= 2 else 0)
+
+
 def content_body_len(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
     o = offset + 1 + rec[offset]
     o += 1 + rec[o]

@@ -153,7 +153,7 @@ class Message:
     __slots__ = ("payload", "size", "persistent", "priority", "expiration_ms", "publisher", "seq", "exchange",
                  "routing_keys", "id", "expires_ns", "level", "redelivered", "unconfirmed")
 
-    def __init__(self, payload: Any, size: int, *, persistent: bool = False, priority: int | None = None,
+    def __init__(self, payload: Any, size: int, persistent: bool = False, priority: int | None = None,
                  expiration_ms: int | None = None, publisher: Hashable = None, seq: int = 0, exchange: str = "",
                  routing_keys: tuple = (), redelivered: bool = False, id: int | None = None,
                  expires_ns: int | None = None):
