@@ -479,7 +479,7 @@ class Supervisor:
                  and p.state == "running"]
         size = self.reader_host_count if kind == "reader" else self.cfg.pool
         if len(hosts) < size:
-            taken = {p.name for p in hosts}
+            taken = {p.name for p in self.procs.values() if p.kind == "host"}    # a dying one's name too
             name = next(f"{kind}-pool-{i}" for i in range(1, size + 2) if f"{kind}-pool-{i}" not in taken)
             host = self.start_host(name, kind)
             if host is not None:
@@ -942,7 +942,7 @@ class Supervisor:
         if (qdef.deleting if qdef is not None else f"queue-{name}" in self.procs):
             # answered once it is gone: the queue being deleted, or the process of one deleted a moment
             # ago (a new queue of the same name must not start beside it, under its name)
-            self.after_deletion.setdefault(name, []).append((channel.name, msg))
+            self.after_deletion.setdefault(name, []).append((channel, msg))
             return
         try:
             qdef, made = self.defs.declare_queue(
@@ -1107,9 +1107,10 @@ class Supervisor:
         self.replay_declares(name)
 
     def replay_declares(self, name: str) -> None:
-        for chan_name, msg in self.after_deletion.pop(name, []):
-            chan = self.procs.get(chan_name)
-            if chan is not None:
+        for chan, msg in self.after_deletion.pop(name, []):
+            # only to the channel that asked, still open: not to a later channel of the same name, and no
+            # queue for a connection that has closed meanwhile (its exclusive queues are gone already)
+            if self.procs.get(chan.name) is chan and chan.state == "running":
                 self.declare_queue(chan, msg)
 
     def remove_queue_files(self, name: str) -> None:
@@ -1394,8 +1395,10 @@ class Supervisor:
     def ended(self, proc: Proc, code: int) -> None:
         proc.reaped = True
         if proc.kind == "host":
+            was_running = proc.state == "running"
+            proc.state = "gone"         # a queue restarted (or declared) while its stages are handled goes elsewhere
             hosted = [p for p in self.procs.values() if p.host == proc.name]
-            if hosted and proc.state == "running":
+            if hosted and was_running:
                 self.log("error", [f"{proc.name} (pid {proc.pid}) ended ({lifecycle.how_it_ended(code)}) with "
                                    f"{len(hosted)} stages in it"])
             for p in hosted:             # each is a death of its own, handled as its kind's
@@ -1554,8 +1557,11 @@ class Supervisor:
         limit = f"{lifecycle.MAX_RESTARTS} restarts in {lifecycle.RESTART_PERIOD_S} s"
         if proc.kind == "queue":
             queue = proc.name[len("queue-"):]
-            if queue in self.defs.queues:
-                self.defs.queues[queue].down = True
+            qdef = self.defs.queues.get(queue)
+            if qdef is not None and qdef.deleting:      # it died while being deleted: finish that
+                self.finish_pending_deletion(queue)
+            elif qdef is not None:
+                qdef.down = True
             what = f"queue '{queue}' in vhost '/' stays down; clients get 404"
         elif proc.kind == "management":
             what = "the broker runs on without its management API and /metrics"

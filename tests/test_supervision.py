@@ -480,6 +480,37 @@ def test_connections_share_reader_and_channel_processes_and_a_killed_host_takes_
 
 
 @pytest.mark.processes
+def test_a_queue_whose_host_was_killed_restarts_in_a_new_host_with_its_messages(start_broker):
+    """With one queue host, killing it must not restart its queue into the dead process."""
+    broker = start_broker("--pool", "1")
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.queue_declare("hq", durable=True)
+    for i in range(5):
+        ch.basic_publish("", "hq", f"m{i}".encode(), properties=pika.BasicProperties(delivery_mode=2))
+    status = broker.wait_for(lambda s: "queue-hq" in s["processes"], what="the queue")
+    old_host = status["processes"]["queue-hq"]["host"]
+    os.kill(status["hosts"][old_host]["pid"], signal.SIGKILL)
+    status = broker.wait_for(lambda s: s["processes"]["queue-hq"]["restarts"] >= 1
+                             and s["processes"]["queue-hq"]["alive"]
+                             and s["processes"]["queue-hq"].get("recovered") == 5, what="the restarted queue")
+    new_host = status["processes"]["queue-hq"]["host"]
+    assert status["hosts"][new_host]["pid"] != status["hosts"].get(old_host, {}).get("pid")
+    ch = conn.channel()
+    ch.confirm_delivery()
+    ch.basic_publish("", "hq", b"after", properties=pika.BasicProperties(delivery_mode=2))
+    got = []
+    while len(got) < 6:
+        m = ch.basic_get("hq", auto_ack=True)
+        assert m[0] is not None, f"only {got}"
+        got.append(m[2])
+    assert got == [f"m{i}".encode() for i in range(5)] + [b"after"]
+    assert broker.proc.poll() is None
+    conn.close()
+
+
+@pytest.mark.processes
 def test_a_data_directory_too_deep_for_a_unix_socket_address_still_serves_ctl(start_broker):
     """sun_path holds 108 bytes; the control socket under a deeper data directory is reached anyway."""
     broker = start_broker(name="d" * 110)
