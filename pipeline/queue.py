@@ -600,9 +600,12 @@ class Queue(Stage):
         """Deliver between intake batches: with many publishers the in-links never run dry, and a
         queue that delivered only once a turn would take publishes far faster than it hands them on
         (RabbitMQ's queue process delivers as it takes each publish). Only with a consumer that has
-        room; the deliveries go out at the end of the turn with the rest."""
-        self.batch_room = None
+        room; the deliveries go out at the end of the turn with the rest. The room publishes were
+        handed over against is read afresh only after such a pass: without one it has only shrunk by
+        what they took, and a consumer that has read more since gets it with the next pass (with many
+        publishers each link's batch is a few messages, and the room was read for each)."""
         if self.reader_links and self.core.ready:
+            self.batch_room = None
             self.deliver_ready(now_ns)
 
     def deliver_ready(self, now_ns: int) -> None:
