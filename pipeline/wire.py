@@ -145,15 +145,6 @@ def content_props(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> memoryview:
     return memoryview(rec)[o + 4:o + 4 + plen]
 
 
-def content_prop_flags(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> int:
-    """The property flags of a record's content (0 with no properties): which properties it carries,
-    read without making a view."""
-    o = offset + 1 + rec[offset]
-    o += 1 + rec[o]
-    (plen,) = _U32.unpack_from(rec, o)
-    return _PROP_FLAGS.unpack_from(rec, o + 4)[0] if plen >= 2 else 0
-
-
 def content_names(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, int]:
     """A content's exchange and routing key as they stand in the record (its two shortstrs as one
     bytes, a key to remember a route by), and the high byte of its property flags (0 with fewer than
@@ -165,8 +156,7 @@ def content_names(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[bytes, int
 
 
 def content_sizes(rec, offset: int = PUBLISH_CONTENT_OFFSET) -> tuple[int, int]:
-    """(body bytes, property flags) of a record's content, in one pass (``content_body_len`` and
-    ``content_prop_flags`` together)."""
+    """(body bytes, property flags) of a record's content, in one pass (flags 0 with no properties)."""
     o = offset + 1 + rec[offset]
     o += 1 + rec[o]
     (plen,) = _U32.unpack_from(rec, o)
