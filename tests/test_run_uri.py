@@ -79,15 +79,17 @@ RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 @pytest.fixture
 def rabbitmq_with_management():
     """A private RabbitMQ node with its management API (scripts/bench_vs_rabbitmq's), where one is installed."""
-    import importlib.machinery
+    import importlib.util
     import os
 
     from amqp_targets import free_port
     from conftest import ROOT
     if not os.path.exists(RABBITMQ_SERVER):
         pytest.skip("RabbitMQ is not installed here (Debian's rabbitmq-server)")
-    loader = importlib.machinery.SourceFileLoader("bench_vs_rabbitmq", str(ROOT / "scripts" / "bench_vs_rabbitmq"))
-    node = loader.load_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
+    spec = importlib.util.spec_from_file_location("_beside_rabbitmq", ROOT / "scripts" / "_beside_rabbitmq.py")
+    beside = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(beside)
+    node = beside.bench_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
     try:
         yield node
     finally:
