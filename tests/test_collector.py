@@ -77,3 +77,34 @@ def test_with_the_real_collector_objects_stay_alive_and_a_frozen_cycle_is_collec
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_messages_held_for_a_moment_are_not_walked_by_the_young_collector():
+    # 20,000 messages alive at once, as a queue holds them from publish to ack: at Python's default
+    # (a young collection every 700 allocations) that is over 25 collections, each walking them
+    script = textwrap.dedent("""
+        import gc, sys
+        from pipeline.broker import collector
+
+        mode = sys.argv[1]
+        if mode == "installed":
+            collector.install()
+        runs = []
+        gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "stop" else None)
+
+        class Message:
+            __slots__ = ("payload",)
+            def __init__(self, payload):
+                self.payload = payload
+
+        held = [Message(i) for i in range(20_000)]
+        del held
+        print(len(runs))
+    """)
+    counts = {}
+    for mode in ("installed", "default"):
+        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        counts[mode] = int(out.stdout)
+    assert counts["default"] >= 25
+    assert counts["installed"] == 0

@@ -17,6 +17,14 @@ frozen objects (a closed connection's stage and its selector keys). So every
 ``THAW_EVERY_NS`` everything is thawed, and the next full collection walks it
 all once, finds those cycles, and freezes what is left.
 
+The young generation is collected every ``YOUNG_THRESHOLD`` net allocations
+rather than Python's 700. A message a queue holds (its ``Message``, its
+``Held``) lives a few milliseconds, from publish to ack; at 700 it was walked
+by several young collections and promoted on the way. With 100 publishers to
+one queue that took 58 ms a second of the queue process's time (15 in
+generation 0, 19 in 1, 24 in 2), against 17 with one publisher; at 50,000,
+under 5. What waits longer is cyclic garbage, at most that many objects.
+
 :class:`Collector` decides, with time passed in; :func:`install` hooks it to
 the ``gc`` module and returns the function a process's loop calls each round.
 """
@@ -28,6 +36,7 @@ import time
 from typing import Callable
 
 THAW_EVERY_NS = 60 * 1_000_000_000
+YOUNG_THRESHOLD = 50_000            # net allocations of tracked objects between young collections
 FULL = 2                            # the generation a full collection collects
 
 
@@ -58,6 +67,7 @@ class Collector:
 def install(thaw_every_ns: int = THAW_EVERY_NS) -> Callable[[int], None]:
     """Hook a :class:`Collector` to ``gc``; call what this returns once a loop round with the clock."""
     collector = Collector(time.monotonic_ns(), thaw_every_ns)
+    gc.set_threshold(YOUNG_THRESHOLD, *gc.get_threshold()[1:])
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "stop":
