@@ -128,6 +128,9 @@ class Queue(Stage):
         self.run_id = run_id
         self.id_prefixes: dict[str, bytes] = {}     # publishing channel -> 8-byte prefix of store ids
         self.consumers: dict[tuple, ConsumerInfo] = {}       # (channel process, tag) -> where deliveries go
+        # the reader links consumers' deliveries go on, the only ones room is counted for: a queue has a
+        # link to every reader that declared it or published to it, a hundred with a hundred publishers
+        self.delivery_links: tuple = ()
         self.channel_links: dict[str, tuple] = {}               # channel process -> (reader link, channel number)
         self.channel_reader: dict[str, str] = {}            # channel process -> its reader
         self.reader_links: dict[str, object] = {}
@@ -616,7 +619,7 @@ class Queue(Stage):
         ready = core.ready
         starved = False
         if ready:
-            for link in self.reader_links.values():
+            for link in self.delivery_links:
                 if room.get(link.link_id, 1) <= 0 and not link.ring.congested:
                     starved = True
                     break
@@ -661,7 +664,7 @@ class Queue(Stage):
         """How many deliveries each consumer's reader link can take now: the ring's space and window."""
         room = {}
         size = self.record_bytes + DELIVERY_HEAD_BYTES
-        for link in self.reader_links.values():
+        for link in self.delivery_links:
             if link.overflow:
                 room[link.link_id] = 0
                 continue
@@ -809,6 +812,7 @@ class Queue(Stage):
             key = (channel, op["ctag"])
             actions = core.cancel(key, now)
             self.consumers.pop(key, None)
+            self.consumers_changed()
             reader_link = self.reader_links.get(op["reader"])
             if reader_link is not None and not op.get("nowait"):
                 reader_link.put(wire.encode_frames(frames.encode_reply(
@@ -858,6 +862,7 @@ class Queue(Stage):
         self.consumers[key] = ConsumerInfo(reader_link, op["channel"], op["ctag"], ConsumerDetail(
             consumer_tag=op["ctag"], channel=channel, channel_number=op["channel"], ack_required=not op["no_ack"],
             prefetch_count=int(op.get("prefetch") or 0), exclusive=bool(op.get("exclusive"))))
+        self.consumers_changed()
         self.channel_reader[channel] = op["reader"]
         self.channel_links[channel] = (reader_link, op["channel"])
         if not op.get("nowait"):
@@ -865,10 +870,14 @@ class Queue(Stage):
                 op["channel"], commands.Basic.ConsumeOk, consumer_tag=op["ctag"])))
         self.done(out, reader_link)
 
+    def consumers_changed(self) -> None:
+        self.delivery_links = tuple({c.link.link_id: c.link for c in self.consumers.values()}.values())
+
     def channel_closed(self, channel: str) -> None:
         """A channel closed (or its process or connection went): its consumers go, its unacked come back."""
         for key in [k for k in self.consumers if k[0] == channel]:
             del self.consumers[key]
+        self.consumers_changed()
         self.channel_links.pop(channel, None)
         self.channel_reader.pop(channel, None)
         self.do(self.core.channel_closed(channel, time.monotonic_ns()))
@@ -885,6 +894,7 @@ class Queue(Stage):
             return
         self.do(actions)
         self.consumers.clear()
+        self.consumers_changed()
         if self.journal is not None:
             self.journal_policy(time.monotonic_ns())
         control.send_msg(self.ctl, {**answer, "ok": True, "message_count": count})
