@@ -55,6 +55,15 @@ it arrives near the end, which is why the largest payload is
 ``max_record_bytes = capacity_bytes // 2 - 4``: such a record fits in an
 empty ring wherever the positions stand.
 
+A producer that finds the ring empty (the consumer has released everything
+it committed) when it starts a batch ``REWIND_AFTER_BYTES`` or more into the
+data area goes back to offset 0 the same way, with a wrap marker where it
+stands, if its first record fits before that point. A ring that is drained
+as fast as it is written then keeps using its first few KiB, whose lines are
+still in the cache, instead of sweeping its whole capacity into lines
+untouched since the last lap. With a hundred publishers, two hundred 4 MiB
+rings swept that way; one publisher's rings rarely stand empty.
+
 Memory ordering
 ---------------
 Header words are read and written through a native ``"Q"`` memoryview, one
@@ -82,6 +91,7 @@ RING_MAGIC = 0x31474E4952464321           # b"!CFRING1" read as a little-endian 
 LENGTH_BYTES = 4
 WRAP_MARKER = 0xFFFFFFFF
 MIN_CAPACITY_BYTES = 64
+REWIND_AFTER_BYTES = 4096                 # a drained ring's producer goes back to offset 0 past this
 
 # header word indices (byte offset // 8)
 _W_POS, _W_REC, _MAX, _FLAGS, _MAGIC, _CAP = 0, 1, 2, 3, 4, 5
@@ -118,12 +128,13 @@ class Ring:
     checks its magic and capacity. The producer uses ``write_nowait``,
     ``commit``, ``write_batch`` and ``writer_waiting``; the consumer uses
     ``read_batch``, ``read_into`` and ``congested``; anyone may call ``statistics``.
+    ``rewind_after_bytes`` is where a producer that finds the ring drained goes back to offset 0.
     """
 
     __slots__ = ("mv", "capacity_bytes", "max_record_bytes", "_hdr", "_data", "_lens",
-                 "_wpos", "_written", "_max", "_staged", "_rpos_seen", "_rpos", "_read")
+                 "_wpos", "_written", "_max", "_staged", "_rpos_seen", "_rpos", "_read", "_rewind")
 
-    def __init__(self, buf, *, create: bool):
+    def __init__(self, buf, *, create: bool, rewind_after_bytes: int = REWIND_AFTER_BYTES):
         mv = memoryview(buf)
         if mv.readonly:
             raise ValueError("a ring needs a writable buffer")
@@ -150,6 +161,7 @@ class Ring:
         self._max = hdr[_MAX]
         self._staged = 0
         self._rpos_seen = hdr[_R_POS]
+        self._rewind = rewind_after_bytes
         # consumer-local state
         self._rpos = hdr[_R_POS]
         self._read = hdr[_R_REC]
@@ -168,6 +180,11 @@ class Ring:
         cap = self.capacity_bytes
         wpos = self._wpos
         off = wpos % cap
+        if not self._staged and off >= self._rewind and off >= size and wpos == self._hdr[_R_POS]:
+            self._lens[off >> 2] = WRAP_MARKER        # drained: back to the front, where the lines are warm
+            self._rpos_seen = wpos
+            wpos += cap - off
+            off = 0
         skip = cap - off if off + size > cap else 0
         after = wpos + skip + size
         if after - self._rpos_seen > cap:
@@ -221,6 +238,12 @@ class Ring:
                 if n > max_n:
                     raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {max_n}")
                 size = (n + 7) & -4
+                if not count and off >= self._rewind and off >= size and wpos == self._hdr[_R_POS]:
+                    lens[off >> 2] = WRAP_MARKER    # drained: back to the front, as write_nowait does
+                    self._rpos_seen = wpos
+                    limit = wpos + cap
+                    wpos += cap - off
+                    off = 0
                 if off + size > cap:            # no room before the end: wrap to offset 0
                     if wpos + cap - off + size > limit:
                         limit = self._refresh_limit()

@@ -16,14 +16,19 @@ from hypothesis import given, settings, strategies as st
 from ipc import shm
 from ipc.doorbell import Doorbell
 from ipc.errors import CorruptRecord, IpcError, WouldBlock
-from ipc.ring import HEADER_BYTES, RecordTooLarge, Ring, record_bytes
+from ipc.ring import HEADER_BYTES, REWIND_AFTER_BYTES, RecordTooLarge, Ring, record_bytes
 from conftest import fork
 
 
-def make_ring(capacity_bytes: int) -> tuple[Ring, Ring]:
+def make_ring(capacity_bytes: int, rewind_after_bytes: int = REWIND_AFTER_BYTES) -> tuple[Ring, Ring]:
     """A producer end and a consumer end over one fresh buffer."""
     buf = bytearray(HEADER_BYTES + capacity_bytes)
-    return Ring(buf, create=True), Ring(buf, create=False)
+    return Ring(buf, create=True, rewind_after_bytes=rewind_after_bytes), Ring(buf, create=False)
+
+
+def length_at(ring: Ring, offset: int) -> int:
+    """The length word at ``offset`` of the data area (what the consumer will read there)."""
+    return struct.unpack_from("<I", ring.mv, HEADER_BYTES + offset)[0]
 
 
 # -- records in, records out ----------------------------------------------------------------
@@ -72,6 +77,49 @@ def test_records_keep_order_and_content_across_many_wrap_arounds():
     stats = consumer.statistics()
     assert stats.records_read == 3000 and stats.used_bytes == 0
     assert sum(map(len, sent)) > 100 * producer.capacity_bytes, "the positions went round many times"
+
+
+def test_a_drained_ring_is_written_again_from_its_front():
+    producer, consumer = make_ring(1 << 20)
+    for _ in range(3):
+        for i in range(60):                             # 60 records of 100 B: past REWIND_AFTER_BYTES
+            producer.write_nowait(bytes([i]) * 100)
+        producer.commit()
+        assert [r[0] for r in consumer.read_batch()] == list(range(60))
+        producer.write_nowait(b"next")
+        producer.commit()
+        assert length_at(producer, 0) == 4               # at the front again, not 6,240 bytes in
+        assert consumer.read_batch() == [b"next"]
+        assert consumer.statistics().used_bytes == 0
+        producer.write_batch([b"a" * 100] * 60)        # and write_batch likewise
+        consumer.read_batch()
+        producer.write_batch([b"batch"])
+        assert length_at(producer, 0) == 5
+        assert consumer.read_batch() == [b"batch"]
+
+
+def test_a_ring_the_consumer_has_not_drained_goes_on_where_it_stands():
+    producer, consumer = make_ring(1 << 20)
+    for i in range(60):
+        producer.write_nowait(bytes([i]) * 100)
+    producer.commit()
+    assert len(consumer.read_batch(max_records=59)) == 59   # one record still unread
+    producer.write_nowait(b"next")
+    producer.commit()
+    assert length_at(producer, 0) == 100                 # the front still holds the first record
+    assert length_at(producer, 60 * record_bytes(100)) == 4
+    assert [len(r) for r in consumer.read_batch()] == [100, 4]
+
+
+def test_a_drained_ring_stays_put_for_a_record_bigger_than_the_room_before_it():
+    producer, consumer = make_ring(1 << 16)
+    producer.write_nowait(b"x" * 5000)
+    producer.commit()
+    consumer.read_batch()
+    producer.write_nowait(b"y" * 6000)                  # would not fit in the 5,004 bytes before it
+    producer.commit()
+    assert length_at(producer, record_bytes(5000)) == 6000
+    assert consumer.read_batch() == [b"y" * 6000]
 
 
 def test_read_batch_takes_at_most_max_records():
@@ -255,9 +303,10 @@ _op = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops=st.lists(_op, max_size=150), capacity=st.sampled_from([296, 600, 1024]))
-def test_any_interleaving_of_writes_commits_and_reads_preserves_the_sequence(ops, capacity):
-    producer, consumer = make_ring(capacity)
+@given(ops=st.lists(_op, max_size=150), capacity=st.sampled_from([296, 600, 1024]),
+       rewind=st.sampled_from([64, 200, REWIND_AFTER_BYTES]))
+def test_any_interleaving_of_writes_commits_and_reads_preserves_the_sequence(ops, capacity, rewind):
+    producer, consumer = make_ring(capacity, rewind)
     committed, staged, got = [], [], []
     high_water = 0
 
