@@ -79,19 +79,25 @@ def test_records_keep_order_and_content_across_many_wrap_arounds():
     assert sum(map(len, sent)) > 100 * producer.capacity_bytes, "the positions went round many times"
 
 
-def test_a_drained_ring_is_written_again_from_its_front():
-    producer, consumer = make_ring(1 << 20)
-    for _ in range(3):
-        for i in range(60):                             # 60 records of 100 B: past REWIND_AFTER_BYTES
-            producer.write_nowait(bytes([i]) * 100)
+def write_in_batches(producer: Ring, records: int, per_batch: int, size: int = 100) -> None:
+    for first in range(0, records, per_batch):
+        for i in range(first, min(records, first + per_batch)):
+            producer.write_nowait(bytes([i % 256]) * size)
         producer.commit()
+
+
+def test_a_drained_ring_is_written_again_from_its_front():
+    producer, consumer = make_ring(1 << 20, rewind_after_bytes=4096)
+    for _ in range(3):
+        write_in_batches(producer, 60, per_batch=10)     # 6,240 bytes in, batches of 1,040
         assert [r[0] for r in consumer.read_batch()] == list(range(60))
         producer.write_nowait(b"next")
         producer.commit()
         assert length_at(producer, 0) == 4               # at the front again, not 6,240 bytes in
         assert consumer.read_batch() == [b"next"]
         assert consumer.statistics().used_bytes == 0
-        producer.write_batch([b"a" * 100] * 60)        # and write_batch likewise
+        for _ in range(6):
+            producer.write_batch([b"a" * 100] * 10)    # and write_batch likewise
         consumer.read_batch()
         producer.write_batch([b"batch"])
         assert length_at(producer, 0) == 5
@@ -99,10 +105,8 @@ def test_a_drained_ring_is_written_again_from_its_front():
 
 
 def test_a_ring_the_consumer_has_not_drained_goes_on_where_it_stands():
-    producer, consumer = make_ring(1 << 20)
-    for i in range(60):
-        producer.write_nowait(bytes([i]) * 100)
-    producer.commit()
+    producer, consumer = make_ring(1 << 20, rewind_after_bytes=4096)
+    write_in_batches(producer, 60, per_batch=10)
     assert len(consumer.read_batch(max_records=59)) == 59   # one record still unread
     producer.write_nowait(b"next")
     producer.commit()
@@ -111,8 +115,25 @@ def test_a_ring_the_consumer_has_not_drained_goes_on_where_it_stands():
     assert [len(r) for r in consumer.read_batch()] == [100, 4]
 
 
+def test_a_drained_ring_goes_back_only_past_twice_its_biggest_batch():
+    # until the consumer passes the wrap marker the producer has only the front: a batch as big as
+    # the last ones must fit there, or it waits for the consumer
+    producer, consumer = make_ring(1 << 20, rewind_after_bytes=4096)
+    write_in_batches(producer, 60, per_batch=60)         # one batch of 6,240 bytes
+    consumer.read_batch()
+    producer.write_nowait(b"next")
+    producer.commit()
+    assert length_at(producer, 60 * record_bytes(100)) == 4    # 6,240 in: short of 12,480
+    consumer.read_batch()
+    write_in_batches(producer, 60, per_batch=10)         # now 12,484 in
+    consumer.read_batch()
+    producer.write_nowait(b"next")
+    producer.commit()
+    assert length_at(producer, 0) == 4
+
+
 def test_a_drained_ring_stays_put_for_a_record_bigger_than_the_room_before_it():
-    producer, consumer = make_ring(1 << 16)
+    producer, consumer = make_ring(1 << 16, rewind_after_bytes=4096)
     producer.write_nowait(b"x" * 5000)
     producer.commit()
     consumer.read_batch()
