@@ -60,8 +60,9 @@ it committed) when it starts a batch goes back to offset 0 the same way, with
 a wrap marker where it stands, once it stands ``REWIND_AFTER_BYTES`` and
 twice its biggest batch so far into the data area. A ring drained as fast as
 it is written then keeps to its front instead of sweeping its whole capacity,
-touching every page of it in time: with a hundred publishers, two hundred
-4 MiB rings held 482 MiB of shared memory after 20 s, 50 with this. Until the
+touching every page of it in time: with a hundred publishers, their 4 MiB
+rings (five a connection) held 482 MiB of shared memory after 20 s, 50 with
+this. Until the
 consumer passes the marker the producer has only the front to write in,
 hence twice its biggest batch: a batch that hits the consumer there waits for
 a SPACE token (going back after 4 KiB whatever the batches, one publisher's
