@@ -62,11 +62,10 @@ twice its biggest batch so far into the data area. A ring drained as fast as
 it is written then keeps to its front instead of sweeping its whole capacity,
 touching every page of it in time: with a hundred publishers, their 4 MiB
 rings (five a connection) held 482 MiB of shared memory after 20 s, 50 with
-this. Until the
-consumer passes the marker the producer has only the front to write in,
-hence twice its biggest batch: a batch that hits the consumer there waits for
-a SPACE token (going back after 4 KiB whatever the batches, one publisher's
-rate fell by a third).
+this. Until the consumer passes the marker the producer has only the front
+to write in, hence twice its biggest batch: a batch that hits the consumer
+there waits for a SPACE token (going back after 4 KiB whatever the batches,
+one publisher's rate fell by a third).
 
 Memory ordering
 ---------------
