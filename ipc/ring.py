@@ -185,9 +185,7 @@ class Ring:
         cap = self.capacity_bytes
         wpos = self._wpos
         off = wpos % cap
-        if not self._staged and off >= self._rewind and off >= size and wpos == self._hdr[_R_POS]:
-            self._lens[off >> 2] = WRAP_MARKER        # drained: back to the front
-            self._rpos_seen = wpos
+        if not self._staged and off >= self._rewind and self._back_to_front(wpos, off, size):
             wpos += cap - off
             off = 0
         skip = cap - off if off + size > cap else 0
@@ -248,9 +246,7 @@ class Ring:
                 if n > max_n:
                     raise RecordTooLarge(f"record of {n} bytes exceeds this ring's limit of {max_n}")
                 size = (n + 7) & -4
-                if not count and off >= self._rewind and off >= size and wpos == self._hdr[_R_POS]:
-                    lens[off >> 2] = WRAP_MARKER    # drained: back to the front, as write_nowait does
-                    self._rpos_seen = wpos
+                if not count and off >= self._rewind and self._back_to_front(wpos, off, size):
                     limit = wpos + cap
                     wpos += cap - off
                     off = 0
@@ -279,6 +275,15 @@ class Ring:
             self._staged += count
             self.commit()       # also publishes records staged by write_nowait before this call
         return count
+
+    def _back_to_front(self, wpos: int, off: int, size: int) -> bool:
+        """At a batch's first record, ``off`` past the threshold: if the consumer has read everything and
+        the record fits before ``off``, write the wrap marker there (the caller goes on at offset 0)."""
+        if off < size or wpos != self._hdr[_R_POS]:
+            return False
+        self._lens[off >> 2] = WRAP_MARKER
+        self._rpos_seen = wpos
+        return True
 
     def _refresh_limit(self) -> int:
         self._rpos_seen = self._hdr[_R_POS]
