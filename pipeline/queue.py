@@ -40,6 +40,7 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies, props
 from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
+from pipeline.broker.definitions import not_found_queue
 from pipeline.broker.backlog import (AskPermits, Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk,
                                      Message, Nack, ReturnPermits, dead_letter_cycles, record_death)
 from pipeline.broker.backlog import Confirm as ConfirmAction
@@ -67,6 +68,9 @@ BASIC_CONSUME = (60, 20)
 # what another connection may not do to an exclusive queue (RabbitMQ's check_exclusive_access)
 LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 60, "method_id": 70},
               "purge": {"class_id": 50, "method_id": 30}, "delete": {"class_id": 50, "method_id": 40}}
+# operations answered 404 once the queue is deleted (a queue.delete again goes to the supervisor's bookkeeping)
+GONE_OPS = {"declare": {"class_id": 50, "method_id": 10},
+            **{op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -174,6 +178,7 @@ class Queue(Stage):
         self.arenas = installed.arenas if installed is not None else []
         self.holding: dict[Held, Message] = {}   # messages whose body this queue holds in an arena, oldest first
         self.copied_out = 0                      # bodies it copied out of an arena (journal, page, pressure)
+        self.deleted = False                     # queue.delete done: what still comes was on its way before
         now = time.monotonic_ns()
         recovered = self.recover(store_dir) if self.journal is not None else []
         first_id = max([m.id + 1 for m in recovered] + [(incarnation << MSG_ID_INCARNATION_SHIFT) + 1])
@@ -260,6 +265,9 @@ class Queue(Stage):
 
     def on_publish(self, link, record) -> None:
         self.owe(link.link_id)
+        if self.deleted:
+            self.drop_late_publish(record)
+            return
         self.publishing_links.add(link.link_id)
         if self.delay_ns:
             busy_wait_ns(self.delay_ns)
@@ -300,6 +308,16 @@ class Queue(Stage):
             if room is None:
                 room = self.batch_room = self.room()
         self.do(core.publish(msg, self.batch_ns or time.monotonic_ns(), safe=not keep, room=room))
+
+    def drop_late_publish(self, record) -> None:
+        """A publish that was on its way when the queue was deleted goes nowhere, as one sent to a RabbitMQ
+        queue process that has ended: its channel counts it confirmed once this process has ended as it
+        should (``queue_gone``). A body by reference loses this queue's word in its slot."""
+        if wire.publish_head(record)[0] & wire.PUB_BODY_REF:
+            arena, at = bodies.arena_of(record)
+            entry = arena.entry_of(at, self.holder) if self.holder else -1
+            if entry >= 0:
+                arena.release(at, entry)
 
     # -- bodies by reference ---------------------------------------------------------------
     def hold(self, record) -> Held:
@@ -791,6 +809,10 @@ class Queue(Stage):
         out = self.peer_out.get(channel)
         now = time.monotonic_ns()
         core = self.core
+        if self.deleted and kind in GONE_OPS:     # asked before the routing table said the queue is gone
+            refused = not_found_queue(self.queue)
+            self.reply(out, {"op": "error", "code": refused.code, "text": refused.text, **GONE_OPS[kind]})
+            return
         if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
             text = (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{self.queue}' in vhost "
                     "'/'. It could be originally declared on another connection or the exclusive property value "
@@ -892,6 +914,7 @@ class Queue(Stage):
         except QueueError as exc:
             control.send_msg(self.ctl, {**answer, "ok": False, "code": exc.reply_code, "text": exc.reply_text})
             return
+        self.deleted = True
         self.do(actions)
         self.consumers.clear()
         self.consumers_changed()

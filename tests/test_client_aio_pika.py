@@ -196,3 +196,39 @@ def test_amqps_carries_messages(amqp_tls):
             return [(await get(queue)).body for _ in range(50)]
 
     assert run(scenario()) == [b"%d" % i * 1000 for i in range(50)]
+
+
+def test_publishes_in_flight_to_a_queue_being_deleted_are_confirmed_and_the_channel_stays_open(amqp):
+    """As RabbitMQ's channel confirms what it had sent to a queue that then ended normally: a deleted
+    queue's in-flight publishes go nowhere, are acked, and nothing is closed."""
+    q = amqp.name("deleted-under-publishers")
+    total = 20_000
+
+    async def scenario():
+        publisher = await aio_pika.connect(amqp.url)
+        admin = await aio_pika.connect(amqp.url)
+        async with publisher, admin:
+            ch = await publisher.channel()                      # publisher confirms are on by default
+            await ch.declare_queue(q)
+            confirmed = 0
+
+            async def publish(i: int):
+                nonlocal confirmed
+                await ch.default_exchange.publish(aio_pika.Message(b"x" * 100), routing_key=q)
+                confirmed += 1
+
+            publishes = [asyncio.ensure_future(publish(i)) for i in range(total)]
+            while confirmed < total // 10:
+                await asyncio.sleep(0.001)
+            deleted = await (await admin.channel()).queue_delete(q)
+            results = await asyncio.gather(*publishes, return_exceptions=True)
+            refused = [r for r in results if isinstance(r, BaseException)]
+            check = await publisher.channel()
+            with pytest.raises(ChannelNotFoundEntity):
+                await check.declare_queue(q, passive=True)
+            return deleted.message_count, refused, ch.is_closed, publisher.is_closed
+
+    count, refused, channel_closed, connection_closed = run(scenario(), timeout_s=40)
+    assert 0 < count < total
+    assert refused == []
+    assert (channel_closed, connection_closed) == (False, False)

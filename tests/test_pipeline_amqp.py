@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 import time
 
 import pika
@@ -55,6 +56,53 @@ def test_basic_get_and_redeclare_report_counts(broker):
     method, _, body = ch.basic_get("g", auto_ack=True)
     assert body == b"0" and method.message_count == 2
     conn.close()
+
+
+def test_a_queue_deleted_with_publishes_on_their_way_to_it_ends_as_deleted_not_as_crashed(start_broker):
+    """What was on its way to a deleted queue goes nowhere, as to a RabbitMQ queue process that has
+    ended: the queue's process is not reported crashed, and the publishing channel goes on."""
+    broker = start_broker("--queue-delay-us", "200")        # the queue takes 5,000 msg/s: its inbox fills
+    pub = connect(broker)
+    ch = pub.channel()
+    ch.queue_declare("doomed")
+    for _ in range(5000):
+        ch.basic_publish("", "doomed", b"x" * 100)
+    pub.process_data_events(0)
+    broker.wait_for(lambda s: s["processes"]["queue-doomed"]["messages"] > 0, what="publishes in the queue")
+    deleted = connect(broker).channel().queue_delete("doomed").method.message_count
+    assert 0 < deleted < 5000
+    broker.wait_for(lambda s: not s["processes"].get("queue-doomed", {}).get("alive"), what="the queue's end")
+    ch.queue_declare("after")
+    ch.basic_publish("", "after", b"still open")
+    pub.process_data_events(0.2)
+    method, _, body = ch.basic_get("after", auto_ack=True)
+    assert body == b"still open"
+    log = broker.output()
+    assert "crashed" not in log and "exit code" not in log, log[-3000:]
+
+
+def test_a_basic_get_that_reaches_a_queue_after_its_deletion_is_answered_404(start_broker):
+    broker = start_broker("--queue-delay-us", "200")
+    late = connect(broker)
+    ch = late.channel()
+    ch.queue_declare("doomed")
+    for _ in range(5000):                   # the get goes behind these, in the same order, to the queue
+        ch.basic_publish("", "doomed", b"x" * 100)
+    answer = {}
+
+    def get():
+        try:
+            answer["get"] = ch.basic_get("doomed", auto_ack=True)
+        except pika.exceptions.ChannelClosedByBroker as exc:
+            answer["closed"] = (exc.reply_code, exc.reply_text)
+
+    getter = threading.Thread(target=get)
+    getter.start()
+    broker.wait_for(lambda s: s["processes"]["queue-doomed"]["messages"] > 0, what="publishes in the queue")
+    connect(broker).channel().queue_delete("doomed")
+    getter.join(30)
+    assert answer == {"closed": (404, "NOT_FOUND - no queue 'doomed' in vhost '/'")}
+    assert "crashed" not in broker.output()
 
 
 def test_passive_declare_of_a_missing_queue_closes_the_channel_with_404(broker):
