@@ -202,9 +202,10 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
-    batch = publishes(queue, size, persistent, conn.frame_max, BATCH)
+    per = min(BATCH, confirm) if confirm else BATCH     # a batch never exceeds the confirm window
+    batch = publishes(queue, size, persistent, conn.frame_max, per)
     view = memoryview(batch)                 # what a partial send left goes on without a copy
-    one = len(batch) / BATCH                 # bytes of one publish on the wire
+    one = len(batch) / per                   # bytes of one publish on the wire
     sock = conn.sock
     ends = loopback_ends(sock)
     # A send waits at most this long, so a publisher held back by the broker still notices the half-way
@@ -216,7 +217,7 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     sent_bytes = pending = 0
     buf = bytearray()
     closed = None
-    gap = BATCH / rate if rate else 0.0      # paced: a batch every gap seconds, no catching up after a stall
+    gap = per / rate if rate else 0.0        # paced: a batch every gap seconds, no catching up after a stall
     due = start
     mid = (start + stop) / 2
     taken_mid = None                         # publishes the broker had read off this socket half-way through
@@ -235,9 +236,9 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
                 sent_bytes += n
                 pending -= n
                 if not pending:
-                    sent += BATCH
+                    sent += per
                 continue
-            if confirm and sent - confirmed + BATCH > confirm:
+            if confirm and sent - confirmed + per > confirm:
                 try:
                     data = sock.recv(CHUNK)
                 except socket.timeout:
@@ -396,17 +397,40 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
             "overrun": held - held_mid > OVERRUN * max(1, delivered)}
 
 
+def at_least(kind, low):
+    """An argparse type: ``kind`` of ``low`` or more (argparse exits 2 with the reason otherwise)."""
+    def parse(text: str):
+        value = kind(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        return value
+    parse.__name__ = kind.__name__          # argparse's "invalid int value" names it
+    return parse
+
+
+def above(kind, low):
+    """An argparse type: ``kind`` greater than ``low``."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > low:
+            raise argparse.ArgumentTypeError(f"{text} is not above {low}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=int, required=True)
-    ap.add_argument("--size", type=int, default=100)
-    ap.add_argument("--seconds", type=float, default=10)
-    ap.add_argument("--publishers", type=int, default=1)
+    ap.add_argument("--port", type=at_least(int, 1), required=True)
+    ap.add_argument("--size", type=at_least(int, 0), default=100)
+    ap.add_argument("--seconds", type=above(float, 0), default=10)
+    ap.add_argument("--publishers", type=at_least(int, 1), default=1)
     ap.add_argument("--persistent", action="store_true")
-    ap.add_argument("--confirm", type=int, default=0)
+    ap.add_argument("--confirm", type=at_least(int, 0), default=0, help="unconfirmed publishes at most (0: no confirms)")
     ap.add_argument("--no-ack", action="store_true")
     ap.add_argument("--queue", default=None)
-    ap.add_argument("--rate", type=float, default=None, help="msg/s of all publishers together (default: unpaced)")
+    ap.add_argument("--rate", type=above(float, 0), default=None,
+                    help="msg/s of all publishers together (default: unpaced)")
     a = ap.parse_args()
     res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue, a.rate)
     # what the publishers wrote into their sockets: with many publishers most of it waits in the kernel

@@ -32,6 +32,21 @@ def test_it_publishes_and_counts_what_the_consumer_received_in_the_window(broker
                            what="the runs' queues gone with their consumers")   # auto-delete: no leftover backlog
 
 
+def test_a_confirm_window_smaller_than_a_batch_still_publishes(broker):
+    """--confirm 10: batches shrink to the window (they once waited for acks of publishes never sent)."""
+    run = raw_driver().run(broker.port, size=100, seconds=1.0, confirm=10, queue="raw-small-window")
+    assert run["publish_rate"] > 50 and run["deliver_rate"] > 50
+
+
+@pytest.mark.parametrize("args", [["--confirm", "-1"], ["--publishers", "0"], ["--seconds", "0"], ["--size", "x"],
+                                  ["--rate", "-5"]])
+def test_it_refuses_bad_options_before_it_starts_anything(args):
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "raw_driver.py"), "--port", "1", *args], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"raw_driver.py: error: argument {args[0]}")
+
+
 def test_the_depth_sampler_reports_what_the_queue_holds_ready(broker):
     """The sampler asks the broker (a passive queue.declare), so its figure is the broker's own count."""
     import multiprocessing
