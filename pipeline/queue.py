@@ -178,7 +178,6 @@ class Queue(Stage):
         self.arenas = installed.arenas if installed is not None else []
         self.holding: dict[Held, Message] = {}   # messages whose body this queue holds in an arena, oldest first
         self.copied_out = 0                      # bodies it copied out of an arena (journal, page, pressure)
-        self.deleted = False                     # queue.delete done: what still comes was on its way before
         now = time.monotonic_ns()
         recovered = self.recover(store_dir) if self.journal is not None else []
         first_id = max([m.id + 1 for m in recovered] + [(incarnation << MSG_ID_INCARNATION_SHIFT) + 1])
@@ -265,7 +264,7 @@ class Queue(Stage):
 
     def on_publish(self, link, record) -> None:
         self.owe(link.link_id)
-        if self.deleted:
+        if self.core.deleted:
             self.drop_late_publish(record)
             return
         self.publishing_links.add(link.link_id)
@@ -809,7 +808,7 @@ class Queue(Stage):
         out = self.peer_out.get(channel)
         now = time.monotonic_ns()
         core = self.core
-        if self.deleted and kind in GONE_OPS:     # asked before the routing table said the queue is gone
+        if core.deleted and kind in GONE_OPS:     # asked before the routing table said the queue is gone
             refused = not_found_queue(self.queue)
             self.reply(out, {"op": "error", "code": refused.code, "text": refused.text, **GONE_OPS[kind]})
             return
@@ -914,7 +913,6 @@ class Queue(Stage):
         except QueueError as exc:
             control.send_msg(self.ctl, {**answer, "ok": False, "code": exc.reply_code, "text": exc.reply_text})
             return
-        self.deleted = True
         self.do(actions)
         self.consumers.clear()
         self.consumers_changed()

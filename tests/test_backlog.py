@@ -531,7 +531,9 @@ def test_delete_checks_if_empty_then_if_unused_as_rabbitmq_and_then_forgets_ever
         q.delete(clock(), if_empty=True, if_unused=True)
     with pytest.raises(QueueInUse, match=re.escape("PRECONDITION_FAILED - queue 'x3' in vhost '/' in use")):
         q.delete(clock(), if_unused=True)
+    assert not q.deleted                # refused deletions leave it as it was
     count, actions = q.delete(clock())
+    assert q.deleted
     assert count == 1
     assert [(type(a).__name__, getattr(a, "outcome", None)) for a in actions] == [
         ("Forget", "deleted"), ("Forget", "deleted"), ("Confirm", None)]

@@ -879,6 +879,11 @@ class Backlog:
         self._gone = True
         return count, actions
 
+    @property
+    def deleted(self) -> bool:
+        """Whether ``delete`` has run: what still comes (it was on its way) is the shell's to drop or refuse."""
+        return self._gone
+
     def is_unused(self) -> bool:
         """No consumers (RabbitMQ's test for if-unused, exclusive consume and x-expires)."""
         return not self._consumers
