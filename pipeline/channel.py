@@ -480,7 +480,7 @@ class Channel(Stage):
             return
         # a server-named queue, as RabbitMQ names them (amq.gen- and a 128-bit guid, base64url)
         queue = m.queue or "amq.gen-" + base64.urlsafe_b64encode(os.urandom(16)).rstrip(b"=").decode()
-        op = {"op": "declare", "channel": self.number, "queue": queue, "nowait": m.nowait}
+        op = {"op": "declare", "channel": self.number, "queue": queue, "nowait": m.nowait, "passive": m.passive}
         control.send_msg(self.ctl, {"type": "declare_queue", "queue": queue, "passive": m.passive,
                                     "durable": m.durable, "auto_delete": m.auto_delete, "exclusive": m.exclusive,
                                     "arguments": arguments_to_json(m.arguments), "generated": not m.queue})

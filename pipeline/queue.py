@@ -40,11 +40,11 @@ from pipeline import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies, props
 from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
-from pipeline.broker.definitions import not_found_queue
 from pipeline.broker.backlog import (AskPermits, Backlog, DeadLetter, DeleteQueue, Deliver, Forget, GetEmpty, GetOk,
                                      Message, Nack, ReturnPermits, dead_letter_cycles, record_death)
 from pipeline.broker.backlog import Confirm as ConfirmAction
 from pipeline.broker.consumer_bias import ConsumerBias
+from pipeline.broker.definitions import not_found_queue
 from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, PageFile, Paged
 from pipeline.broker.routing import RoutingTable
 from pipeline.journal import QueueJournal, read_store_bodies
@@ -68,9 +68,10 @@ BASIC_CONSUME = (60, 20)
 # what another connection may not do to an exclusive queue (RabbitMQ's check_exclusive_access)
 LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 60, "method_id": 70},
               "purge": {"class_id": 50, "method_id": 30}, "delete": {"class_id": 50, "method_id": 40}}
-# operations answered 404 once the queue is deleted (a queue.delete again goes to the supervisor's bookkeeping)
-GONE_OPS = {"declare": {"class_id": 50, "method_id": 10},
-            **{op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}}
+# operations answered 404 once the queue is deleted (a passive declare too; a queue.delete is answered as
+# deleted, with nothing in it)
+GONE_OPS = {op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}
+QUEUE_DECLARE_IDS = {"class_id": 50, "method_id": 10}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -312,11 +313,7 @@ class Queue(Stage):
         """A publish that was on its way when the queue was deleted goes nowhere, as one sent to a RabbitMQ
         queue process that has ended: its channel counts it confirmed once this process has ended as it
         should (``queue_gone``). A body by reference loses this queue's word in its slot."""
-        if wire.publish_head(record)[0] & wire.PUB_BODY_REF:
-            arena, at = bodies.arena_of(record)
-            entry = arena.entry_of(at, self.holder) if self.holder else -1
-            if entry >= 0:
-                arena.release(at, entry)
+        bodies.let_go_unsent(record, self.holder)
 
     # -- bodies by reference ---------------------------------------------------------------
     def hold(self, record) -> Held:
@@ -808,9 +805,10 @@ class Queue(Stage):
         out = self.peer_out.get(channel)
         now = time.monotonic_ns()
         core = self.core
-        if core.deleted and kind in GONE_OPS:     # asked before the routing table said the queue is gone
-            refused = not_found_queue(self.queue)
-            self.reply(out, {"op": "error", "code": refused.code, "text": refused.text, **GONE_OPS[kind]})
+        if core.deleted and (kind in GONE_OPS or kind == "declare" and op.get("passive")):
+            refused = not_found_queue(self.queue)     # asked before the routing table said the queue is gone
+            self.reply(out, {"op": "error", "code": refused.code, "text": refused.text,
+                             **GONE_OPS.get(kind, QUEUE_DECLARE_IDS)})
             return
         if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
             text = (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{self.queue}' in vhost "

@@ -1064,7 +1064,9 @@ class Supervisor:
         else:                                   # a channel's queue.delete, sent over the queue's ring
             name, reply_to = msg.get("queue"), msg.get("channel")
             qdef = self.defs.queues.get(name)
-            if qdef is None or qdef.deleting:
+            if qdef is None or qdef.deleting:   # another deletion went first: this one is answered as is
+                self.answer_deletion(reply_to, {k: v for k, v in msg.items()
+                                                if k in ("ok", "message_count", "code", "text")})
                 return
             if msg.get("ok"):
                 qdef.deleting = True

@@ -426,7 +426,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=above(float, 0), default=10)
     ap.add_argument("--publishers", type=at_least(int, 1), default=1)
     ap.add_argument("--persistent", action="store_true")
-    ap.add_argument("--confirm", type=at_least(int, 0), default=0, help="unconfirmed publishes at most (0: no confirms)")
+    ap.add_argument("--confirm", type=at_least(int, 0), default=0,
+                    help="unconfirmed publishes at most (0: no confirms); under 64, one batch waits for the last")
     ap.add_argument("--no-ack", action="store_true")
     ap.add_argument("--queue", default=None)
     ap.add_argument("--rate", type=above(float, 0), default=None,

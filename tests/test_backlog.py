@@ -509,6 +509,16 @@ def test_x_expires_counts_from_the_last_use_and_not_while_consumed():
     assert q.expire(clock.advance(1)) == [] and q.next_deadline_ns() is None
 
 
+def test_a_deleted_queue_does_not_ask_to_be_deleted_again_when_its_x_expires_runs_out():
+    clock = Clock()
+    q = queue(clock, expires_ms=1000)
+    q.consume("c", "ch", clock())
+    clock.advance(5000)
+    q.delete(clock())                   # its consumer goes with it: nothing keeps x-expires from running
+    assert q.next_deadline_ns() is None
+    assert q.expire(clock.advance(2000)) == []
+
+
 def test_purge_forgets_ready_messages_only():
     clock = Clock()
     q = queue(clock)

@@ -212,12 +212,12 @@ def test_publishes_in_flight_to_a_queue_being_deleted_are_confirmed_and_the_chan
             await ch.declare_queue(q)
             confirmed = 0
 
-            async def publish(i: int):
+            async def publish():
                 nonlocal confirmed
                 await ch.default_exchange.publish(aio_pika.Message(b"x" * 100), routing_key=q)
                 confirmed += 1
 
-            publishes = [asyncio.ensure_future(publish(i)) for i in range(total)]
+            publishes = [asyncio.ensure_future(publish()) for _ in range(total)]
             while confirmed < total // 10:
                 await asyncio.sleep(0.001)
             deleted = await (await admin.channel()).queue_delete(q)

@@ -105,6 +105,31 @@ def test_a_basic_get_that_reaches_a_queue_after_its_deletion_is_answered_404(sta
     assert "crashed" not in broker.output()
 
 
+def test_two_channels_deleting_the_same_queue_at_once_both_get_delete_ok(broker):
+    """As RabbitMQ 3.10 answers a queue.delete of a queue that is already gone: delete-ok, 0 messages.
+    The second delete used to get no answer at all when it reached the queue after the first."""
+    conns = [connect(broker), connect(broker)]
+    channels = [c.channel() for c in conns]
+    for ch in channels:
+        ch.queue_declare("twice")               # both channels have their links to the queue
+    for _ in range(50_000):                     # the first delete takes a while: the second is on its way by then
+        channels[0].basic_publish("", "twice", b"x")
+    broker.wait_for(lambda s: s["processes"]["queue-twice"]["messages"] == 50_000, what="the backlog")
+    counts: list = []
+    start = threading.Barrier(2)
+
+    def delete(ch):
+        start.wait()
+        counts.append(ch.queue_delete("twice").method.message_count)
+
+    threads = [threading.Thread(target=delete, args=(ch,), daemon=True) for ch in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(counts) == [0, 50_000]
+
+
 def test_passive_declare_of_a_missing_queue_closes_the_channel_with_404(broker):
     conn = connect(broker)
     ch = conn.channel()

@@ -41,8 +41,8 @@ def test_a_confirm_window_smaller_than_a_batch_still_publishes(broker):
 @pytest.mark.parametrize("args", [["--confirm", "-1"], ["--publishers", "0"], ["--seconds", "0"], ["--size", "x"],
                                   ["--rate", "-5"]])
 def test_it_refuses_bad_options_before_it_starts_anything(args):
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "raw_driver.py"), "--port", "1", *args], capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "raw_driver.py"), "--port", "1", *args],
+                          capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1].startswith(f"raw_driver.py: error: argument {args[0]}")
 

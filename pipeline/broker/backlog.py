@@ -877,6 +877,7 @@ class Backlog:
         self._consumers.clear()
         self._channels.clear()
         self._gone = True
+        self._expires_reported = True       # gone already: x-expires has nothing left to ask for
         return count, actions
 
     @property
