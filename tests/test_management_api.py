@@ -382,6 +382,25 @@ def test_management_port_off_and_in_use(start_broker, tmp_path):
     assert out.returncode == 4 and f"management port {taken} is already in use" in out.stderr
 
 
+@pytest.mark.processes
+def test_a_client_that_resets_its_connection_mid_request_leaves_no_traceback_in_the_log(broker):
+    """As RabbitMQ's listener: a client hanging up (an RST, as rabbitmqadmin's may) is not the broker's error."""
+    import socket
+    import struct
+    port = broker.info["management_port"]
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /api/overview HTTP/1.1\r\nHost: x")        # no end of line: the server waits
+            time.sleep(0.2)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+    time.sleep(0.5)
+    with urllib.request.urlopen(urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/overview",
+            headers={"Authorization": "Basic " + base64.b64encode(b"guest:guest").decode()}), timeout=10) as r:
+        assert r.status == 200                  # still serving
+    assert "Traceback" not in broker.output()
+
+
 RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
 
 

@@ -29,6 +29,7 @@ import hmac
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -286,6 +287,17 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
+class Server(ThreadingHTTPServer):
+    """The HTTP server. A client that hangs up mid-request (a reset, a broken pipe, a timeout) is the
+    client's business: RabbitMQ's listener logs nothing for it, where socketserver prints a traceback
+    to the broker's log. Any other error in a request is still printed."""
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class ManagementProcess:
     """What the supervisor forks: serves on ``listen_fd`` until told to stop (or the supervisor is gone)."""
 
@@ -296,7 +308,7 @@ class ManagementProcess:
         self.users = dict(users)
 
     def run(self) -> int:
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
+        server = Server(("127.0.0.1", 0), Handler, bind_and_activate=False)
         server.socket.close()
         server.socket = socket.socket(fileno=self.listen_fd)
         server.server_address = server.socket.getsockname()[:2]
@@ -307,7 +319,7 @@ class ManagementProcess:
         server.socket.close()
         return 0
 
-    def watch_supervisor(self, server: ThreadingHTTPServer) -> None:
+    def watch_supervisor(self, server: Server) -> None:
         """A ``stop`` from the supervisor, or its end of the control socket closing, ends serving."""
         while True:
             try:
