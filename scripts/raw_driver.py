@@ -397,40 +397,30 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
             "overrun": held - held_mid > OVERRUN * max(1, delivered)}
 
 
-def at_least(kind, low):
-    """An argparse type: ``kind`` of ``low`` or more (argparse exits 2 with the reason otherwise)."""
+def number(kind, low, *, above: bool = False):
+    """An argparse type: ``kind`` of ``low`` or more (greater than ``low`` with ``above``); argparse exits 2
+    with the reason otherwise."""
     def parse(text: str):
         value = kind(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text} is below {low}")
+        if value < low or above and value == low:
+            raise argparse.ArgumentTypeError(f"{text} is {'not above' if above else 'below'} {low}")
         return value
     parse.__name__ = kind.__name__          # argparse's "invalid int value" names it
     return parse
 
 
-def above(kind, low):
-    """An argparse type: ``kind`` greater than ``low``."""
-    def parse(text: str):
-        value = kind(text)
-        if not value > low:
-            raise argparse.ArgumentTypeError(f"{text} is not above {low}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--port", type=at_least(int, 1), required=True)
-    ap.add_argument("--size", type=at_least(int, 0), default=100)
-    ap.add_argument("--seconds", type=above(float, 0), default=10)
-    ap.add_argument("--publishers", type=at_least(int, 1), default=1)
+    ap.add_argument("--port", type=number(int, 1), required=True)
+    ap.add_argument("--size", type=number(int, 0), default=100)
+    ap.add_argument("--seconds", type=number(float, 0, above=True), default=10)
+    ap.add_argument("--publishers", type=number(int, 1), default=1)
     ap.add_argument("--persistent", action="store_true")
-    ap.add_argument("--confirm", type=at_least(int, 0), default=0,
+    ap.add_argument("--confirm", type=number(int, 0), default=0,
                     help="unconfirmed publishes at most (0: no confirms); under 64, one batch waits for the last")
     ap.add_argument("--no-ack", action="store_true")
     ap.add_argument("--queue", default=None)
-    ap.add_argument("--rate", type=above(float, 0), default=None,
+    ap.add_argument("--rate", type=number(float, 0, above=True), default=None,
                     help="msg/s of all publishers together (default: unpaced)")
     a = ap.parse_args()
     res = run(a.port, a.size, a.seconds, a.publishers, a.persistent, a.confirm, a.no_ack, a.queue, a.rate)
