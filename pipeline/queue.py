@@ -71,7 +71,6 @@ LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 
 # operations answered 404 once the queue is deleted (a passive declare too; a queue.delete is answered as
 # deleted, with nothing in it)
 GONE_OPS = {op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}
-QUEUE_DECLARE_IDS = {"class_id": 50, "method_id": 10}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -808,7 +807,7 @@ class Queue(Stage):
         if core.deleted and (kind in GONE_OPS or kind == "declare" and op.get("passive")):
             refused = not_found_queue(self.queue)     # asked before the routing table said the queue is gone
             self.reply(out, {"op": "error", "code": refused.code, "text": refused.text,
-                             **GONE_OPS.get(kind, QUEUE_DECLARE_IDS)})
+                             **GONE_OPS.get(kind, dict(zip(("class_id", "method_id"), frames.QUEUE_DECLARE)))})
             return
         if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
             text = (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{self.queue}' in vhost "
