@@ -616,13 +616,21 @@ class Queue(Stage):
         """Deliver between intake batches: with many publishers the in-links never run dry, and a
         queue that delivered only once a turn would take publishes far faster than it hands them on
         (RabbitMQ's queue process delivers as it takes each publish). Only with a consumer that has
-        room; the deliveries go out at the end of the turn with the rest. The room publishes were
-        handed over against is read afresh only after such a pass: without one it has only shrunk by
-        what they took, and a consumer that has read more since gets it with the next pass (with many
-        publishers each link's batch is a few messages, and the room was read for each)."""
+        room. The room publishes were handed over against is read afresh only after such a pass:
+        without one it has only shrunk by what they took, and a consumer that has read more since gets
+        it with the next pass (with many publishers each link's batch is a few messages, and the room
+        was read for each).
+
+        What such a pass delivered goes out at once, not at the end of the turn: a turn through a
+        hundred publishers' links lasts milliseconds, and a consumer's reader that saw its deliveries
+        only then sat idle meanwhile, and so did a core (raw driver, 100 publishers, 100 B: the
+        machine 13% idle, 91-96k msg/s; committed here, 4% idle, 110-113k). Without a backlog the
+        turn's end commits them as before: committing after every batch then only woke the consumer's
+        reader for smaller batches (one publisher: 6% fewer deliveries)."""
         if self.reader_links and self.core.ready:
             self.batch_room = None
             self.deliver_ready(now_ns)
+            self.flush_links()
 
     def deliver_ready(self, now_ns: int) -> None:
         """Hand ready messages to consumers with room, then let the consumer bias weigh what is left."""
