@@ -516,8 +516,14 @@ class Footprint:
 
 def footprint(broker, shm_prefix: str) -> Footprint:
     """Processes (the hosts, the store, the watchdog), the stages ``ctl status`` lists alive, the
-    supervisor's descriptors and the run's shared-memory entries."""
+    supervisor's descriptors and the run's shared-memory entries.
+
+    The descriptors are counted before ``ctl status`` asks: counted after, they sometimes included the
+    supervisor's end of that request's connection, not yet closed. A baseline taken with it never came
+    back until a later count happened to catch the same moment (15 s for one batch, twice the test's
+    usual time in all), and would have failed the test had none done so within ``SETTLE_S``."""
     pid = broker.proc.pid
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
     fixed = []
     for child in psutil.Process(pid).children(recursive=True):
         try:
@@ -527,7 +533,7 @@ def footprint(broker, shm_prefix: str) -> Footprint:
     alive = [n for n, p in broker.status()["processes"].items() if p.get("alive")]
     transient = sum(1 for n in alive if n.startswith(TRANSIENT_STAGES))
     queues = sum(1 for n in alive if n.startswith("queue-"))
-    return Footprint(tuple(sorted(fixed)), queues, transient, len(os.listdir(f"/proc/{pid}/fd")),
+    return Footprint(tuple(sorted(fixed)), queues, transient, fds,
                      sum(1 for n in os.listdir("/dev/shm") if shm_prefix in n))
 
 
