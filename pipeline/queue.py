@@ -624,7 +624,7 @@ class Queue(Stage):
         What such a pass delivered goes out at once, not at the end of the turn: a turn through a
         hundred publishers' links lasts milliseconds, and a consumer's reader that saw its deliveries
         only then sat idle meanwhile, and so did a core (raw driver, 100 publishers, 100 B: the
-        machine 13% idle, 91-96k msg/s; committed here, 4% idle, 110-113k). Without a backlog the
+        machine 13% idle, 93-97k msg/s; committed here, 4% idle, 110-113k). Without a backlog the
         turn's end commits them as before: committing after every batch then only woke the consumer's
         reader for smaller batches (one publisher: 6% fewer deliveries)."""
         if self.reader_links and self.core.ready:
