@@ -68,9 +68,10 @@ BASIC_CONSUME = (60, 20)
 # what another connection may not do to an exclusive queue (RabbitMQ's check_exclusive_access)
 LOCKED_OPS = {"consume": {"class_id": 60, "method_id": 20}, "get": {"class_id": 60, "method_id": 70},
               "purge": {"class_id": 50, "method_id": 30}, "delete": {"class_id": 50, "method_id": 40}}
-# operations answered 404 once the queue is deleted (a passive declare too; a queue.delete is answered as
-# deleted, with nothing in it)
-GONE_OPS = {op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}
+# operations answered 404 once the queue is deleted, a declare only when passive (a queue.delete is answered
+# as deleted, with nothing in it)
+GONE_OPS = {"declare": dict(zip(("class_id", "method_id"), frames.QUEUE_DECLARE)),
+            **{op: ids for op, ids in LOCKED_OPS.items() if op != "delete"}}
 
 
 def busy_wait_ns(ns: int) -> None:
@@ -812,10 +813,9 @@ class Queue(Stage):
         out = self.peer_out.get(channel)
         now = time.monotonic_ns()
         core = self.core
-        if core.deleted and (kind in GONE_OPS or kind == "declare" and op.get("passive")):
+        if core.deleted and kind in GONE_OPS and (kind != "declare" or op.get("passive")):
             refused = not_found_queue(self.queue)     # asked before the routing table said the queue is gone
-            self.reply(out, {"op": "error", "code": refused.code, "text": refused.text,
-                             **GONE_OPS.get(kind, dict(zip(("class_id", "method_id"), frames.QUEUE_DECLARE)))})
+            self.reply(out, {"op": "error", "code": refused.code, "text": refused.text, **GONE_OPS[kind]})
             return
         if self.owner is not None and op.get("reader", self.owner) != self.owner and kind in LOCKED_OPS:
             text = (f"RESOURCE_LOCKED - cannot obtain exclusive access to locked queue '{self.queue}' in vhost "
