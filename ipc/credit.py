@@ -249,6 +249,11 @@ class CreditFlow:
         """True while any blocker remains (a socket reader must not read while this holds)."""
         return bool(self._blocked_by)
 
+    @property
+    def block_started_ns(self) -> int | None:
+        """When the current or last block started; None if this process never blocked."""
+        return self._block_started_ns
+
     def _block(self, key, now_ns: int) -> None:
         if not self._blocked_by:
             self._block_started_ns = now_ns

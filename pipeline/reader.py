@@ -839,8 +839,12 @@ class Reader(Stage):
         except OSError:
             pass
 
-    def state_key(self):
-        return (self.credit.blocked, self.throttle.reported_state())
+    def block_facts(self):
+        return self.credit.blocked, self.throttle.reported_state()
+
+    def state_push_due(self, told, facts, now_ns: int):
+        """A connection shows ``flow`` only while credit-blocked: every change is pushed at once."""
+        return now_ns if facts != told else None
 
     def statistics(self, now_ns: int) -> ReaderStats:
         table = self.conn.client_properties

@@ -13,7 +13,8 @@ tokens on the sender's inbox. Credit is counted per link id on both ends, so
 ``CreditFlow`` keys are link ids. A stage sleeps in ``select`` until one of
 its endpoints has something; it pushes ``statistics`` to the supervisor at
 most every ``STATS_INTERVAL_MS`` while busy, at once on a block or unblock
-(but at most every ``STATE_PUSH_MIN_MS``), and once more when it goes idle.
+that changes the state the supervisor shows (``process_states.push_due_ns``;
+at most every ``STATE_PUSH_MIN_MS``), and once more when it goes idle.
 ``statistics`` returns the stage's frozen dataclass of
 :mod:`pipeline.telemetry.schema` (``StageStats`` and a subclass per kind);
 the message is its ``to_dict()``, cut to the busiest links when it would
@@ -35,15 +36,17 @@ from ipc.credit import CreditFlow, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
-from pipeline.broker import collector
+from pipeline.broker import collector, process_states
 from pipeline.telemetry.schema import LinkStats, StageStats
 
 STATS_INTERVAL_MS = 100
-# A block/unblock is pushed at once, but not more often than this. A link whose credit runs out and comes
-# back many times a second (1 -> 1 unpaced) so wakes the supervisor up to 100 times a second per stage,
-# about 3% of the CPU per message (100 ms: 14.7 us per message in all against 15.2, creditflow bench, 3
-# interleaved runs each); kept at 10 ms because each push is a point of the states timeline, and a
-# reader's flow (shown only while it is credit-blocked, as RabbitMQ's) would be timed to 100 ms.
+# A block/unblock that changes the state shown is pushed at once, but not more often than this. A reader
+# whose credit runs out and comes back many times a second (1 -> 1 unpaced) so wakes the supervisor up to
+# 100 times a second, about 3% of the CPU per message (100 ms: 14.7 us per message in all against 15.2,
+# creditflow bench, 3 interleaved runs each); kept at 10 ms because each push is a point of the states
+# timeline, and a reader's flow (shown only while it is credit-blocked, as RabbitMQ's) would be timed to
+# 100 ms. Other stages show flow for a second after a block began, so their blocks within it change
+# nothing shown and are not pushed at once (process_states.push_due_ns).
 STATE_PUSH_MIN_MS = 10
 IDLE_CHECK_S = 0.05             # safety net for a doorbell skipped in a race (see OutLink.flush)
 TRIM_AFTER_RECORDS = 256       # an idle stage that handled this many records since its last trim trims: few,
@@ -318,14 +321,15 @@ class Stage:
         self.exit_code = 0
         self.dirty = True
         self.last_stats_ns = 0
-        self.was_blocked = False
+        self.told = (False, None)    # block_facts() at the last push: what the supervisor shows comes from them
+        self.facts = self.told       # block_facts() at the last turn
+        self.state_due_ns = None     # when a push is owed to keep the supervisor's state true (None: none)
         self.started_ns = time.monotonic_ns()
         self.handled_since_trim = 0
         self.last_trim_ns = 0
         self.read_batch = READ_BATCH_RECORDS
         self.stats_interval_ns = STATS_INTERVAL_MS * 1_000_000
         self.backlog = False         # the last turn left records unread: do not sleep
-        self.state_due = False       # a block or unblock not pushed yet (too soon after the last push)
         # turns that found nothing on any in-link since records last came. A doorbell can only be
         # skipped while this stage is finishing a read (OutLink.flush); once one quiet turn has polled
         # every ring after that, each later commit finds it all released and rings: an idle stage
@@ -538,9 +542,14 @@ class Stage:
         """Whether to read ``link`` now (a channel waiting on an answer leaves its reader's ring alone)."""
         return True
 
-    def state_key(self):
-        """What, when it changes, is pushed to the supervisor at once."""
-        return self.credit.blocked
+    def block_facts(self):
+        """What the state the supervisor shows for this stage is computed from."""
+        credit = self.credit
+        return credit.blocked, credit.block_started_ns
+
+    def state_push_due(self, told, facts, now_ns: int):
+        """When a push is owed so that the supervisor, told ``told``, shows the state ``facts`` give."""
+        return process_states.push_due_ns(told, facts, now_ns)
 
     def flush_links(self) -> None:
         for link in self.out_links.values():
@@ -581,6 +590,8 @@ class Stage:
         except (OSError, PeerGone):
             self.running = False
         self.last_stats_ns = now_ns
+        self.told = self.facts = self.block_facts()
+        self.state_due_ns = None
 
     def run(self) -> int:
         """A process of its own: sleep in select until an endpoint is ready, then take a turn."""
@@ -599,8 +610,10 @@ class Stage:
         """How long this stage may sleep before its next turn (None: until an endpoint is ready)."""
         timeout = self.timeout_s(now)
         if self.dirty:
-            every = STATE_PUSH_MIN_MS * 1_000_000 if self.state_due else self.stats_interval_ns
-            due = (self.last_stats_ns + every - now) / 1e9
+            due = (self.last_stats_ns + self.stats_interval_ns - now) / 1e9
+            timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
+        if self.state_due_ns is not None:
+            due = (max(self.state_due_ns, self.last_stats_ns + STATE_PUSH_MIN_MS * 1_000_000) - now) / 1e9
             timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
         if self.stopping_since_ns is not None:
             timeout = 0.0 if timeout is None else min(timeout, 0.01)
@@ -646,19 +659,17 @@ class Stage:
             self.quiet_turns += 1
             if self.handled_since_trim >= TRIM_AFTER_RECORDS and now - self.last_trim_ns >= TRIM_INTERVAL_NS:
                 self.trim(now)
-        key = self.state_key()
-        changed = key != self.was_blocked
-        if changed and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
-            self.was_blocked = key
+        facts = self.block_facts()
+        if facts != self.facts:
+            self.facts = facts
+            self.state_due_ns = self.state_push_due(self.told, facts, now)
+        due = self.state_due_ns     # a push owed to the state shown waits STATE_PUSH_MIN_MS at most, whatever the interval
+        if due is not None and now >= due and now - self.last_stats_ns >= STATE_PUSH_MIN_MS * 1_000_000:
             self.push_stats(now)
             self.dirty = False
-            changed = False
-        elif changed:
-            self.dirty = True
         elif self.dirty and now - self.last_stats_ns >= self.stats_interval_ns:
             self.push_stats(now)
             self.dirty = False
-        self.state_due = changed      # a block or unblock waits STATE_PUSH_MIN_MS at most, whatever the interval
         if self.stopping_since_ns is not None and (
                 not handled or now - self.stopping_since_ns > STOP_DRAIN_NS):
             self.running = False

@@ -1,6 +1,6 @@
 """The state clock: each process's state as RabbitMQ shows it, recorded on change only, timed exactly."""
 
-from pipeline.broker.process_states import FLOW_HOLD_NS, Change, StateClock, state_at
+from pipeline.broker.process_states import FLOW_HOLD_NS, PUSH_AHEAD_NS, Change, StateClock, push_due_ns, state_at
 
 S = 1_000_000_000
 
@@ -53,3 +53,41 @@ def test_a_restarted_stage_starts_a_new_span_under_its_old_name():
     clock.end("queue-q", 2 * S)
     assert clock.observe("queue-q", {"kind": "queue"}, 5 * S) == Change(5 * S, "queue-q", "queue", "running")
     assert clock.seconds("queue-q", 6 * S)["total"] == 3.0          # the 3 s it was down are not counted
+
+
+def test_a_block_is_pushed_at_once_only_when_it_changes_the_state_shown():
+    never = (False, None)
+    assert push_due_ns(never, never, 5 * S) is None
+    assert push_due_ns(never, (True, 5 * S), 5 * S) == 5 * S                       # running -> flow: now
+    assert push_due_ns((True, 5 * S), (False, 5 * S), 5 * S + S // 10) == 6 * S - PUSH_AHEAD_NS   # still flow
+    assert push_due_ns((True, 5 * S), (False, 5 * S), 7 * S) == 7 * S              # a long block ended: now
+    assert push_due_ns((True, 5 * S), (True, 5 * S + S // 2), 6 * S) is None       # blocked all along, as told
+
+
+def test_newer_blocks_are_told_once_before_the_hold_of_the_last_one_told_runs_out():
+    told = (False, 5 * S)                  # the supervisor shows flow until 6 s, then running by time alone
+    for facts in ((True, 5 * S + S // 4), (False, 5 * S + S // 4), (False, 5 * S + S // 2)):
+        assert push_due_ns(told, facts, 5 * S + S // 2) == 6 * S - PUSH_AHEAD_NS
+    assert push_due_ns(told, (True, 7 * S), 7 * S) == 7 * S          # its hold ran out: a new block is news
+    assert push_due_ns(told, (False, 5 * S), 9 * S) is None
+
+
+def test_what_is_pushed_keeps_the_clock_s_states_those_the_stage_would_show():
+    """A channel blocking every 50 ms for 3 s, pushing only when push_due_ns says: the supervisor's clock,
+    fed only those pushes, holds flow from the first block to one second after the last."""
+    clock, told, pushes, last_block = StateClock(), (False, None), 0, None
+    clock.observe("channel-1.1", {"kind": "channel"}, 0)
+    for t in range(S, 6 * S, S // 100):                        # a turn every 10 ms
+        blocking = t < 4 * S and (t // (S // 100)) % 5 == 0
+        if blocking:
+            last_block = t
+        facts = (blocking, last_block)
+        clock.tick(t)
+        due = push_due_ns(told, facts, t)
+        if due is not None and t >= due:
+            pushes += 1
+            told = facts
+            clock.observe("channel-1.1", {"kind": "channel", "blocked": facts[0], "block_started_ns": facts[1]}, t)
+        assert clock.state("channel-1.1") == ("flow" if last_block is not None and
+                                              (blocking or t < last_block + FLOW_HOLD_NS) else "running"), t
+    assert pushes == 2          # the first block, and the last unblock before its hold runs out: not 120

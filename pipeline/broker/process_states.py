@@ -12,6 +12,11 @@ connections has nothing to tick. Each change comes back as a :class:`Change`
 for the telemetry's ``states`` rows, and the time spent in each state is
 accumulated exactly, in nanoseconds, from one change to the next.
 
+A stage pushes a block or an unblock at once only when it changes what the
+supervisor shows (``push_due_ns``): a channel that blocks many times a second
+shows ``flow`` throughout, and tells the supervisor of its newer blocks once
+before the hold of the last one it told of would run out.
+
 Time is passed in; nothing here reads a clock.
 """
 
@@ -22,6 +27,8 @@ from dataclasses import dataclass, field
 
 FLOW_HOLD_NS = 1_000_000_000       # a block shows as `flow` for this long after it began
 STATES = ("running", "flow", "blocking", "blocked")
+PUSH_AHEAD_NS = FLOW_HOLD_NS // 10  # a stage tells of a newer block this long before the supervisor's hold ends
+NEVER = float("inf")
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,29 @@ def _flow_deadline(stats: dict, now_ns: int) -> int | None:
     if started is not None and now_ns - started < FLOW_HOLD_NS:
         return started + FLOW_HOLD_NS
     return None
+
+
+def flow_until(blocked: bool, block_started_ns: int | None) -> float:
+    """Until when a stage with these block facts shows `flow` (``NEVER`` while blocked; in the past
+    if it never blocked)."""
+    if blocked:
+        return NEVER
+    return -NEVER if block_started_ns is None else block_started_ns + FLOW_HOLD_NS
+
+
+def push_due_ns(told: tuple[bool, int | None], now: tuple[bool, int | None], now_ns: int) -> float | None:
+    """When a stage must push its statistics so that the state the supervisor shows from ``told`` (the
+    ``(blocked, block_started_ns)`` of its last push) is the one ``now`` (its facts at ``now_ns``) gives:
+    ``now_ns`` if they differ already, the moment ``PUSH_AHEAD_NS`` before they would come to differ
+    by time alone, None if they never will until the facts change again."""
+    if told == now:
+        return None
+    told_end, true_end = flow_until(*told), flow_until(*now)
+    if (told_end > now_ns) != (true_end > now_ns):
+        return now_ns
+    if told_end <= now_ns or told_end == true_end:      # both running, or both flow until the same end
+        return None
+    return max(now_ns, min(told_end, true_end) - PUSH_AHEAD_NS)
 
 
 class StateClock:

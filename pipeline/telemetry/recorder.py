@@ -5,11 +5,12 @@ one object per line (timestamps are int64 nanoseconds of the system-wide
 monotonic clock):
 
 * ``stats.jsonl``  the ``statistics()`` snapshots stages pushed: every one (at
-  most every 100 ms per busy stage, at once on block/unblock) while the broker
-  runs up to ``STATS_ROWS_PER_S`` / 10 stages; with more, each stage's at most
-  every ``stages / STATS_ROWS_PER_S`` seconds, and its last one when it ends,
-  so a thousand busy connections do not write gigabytes (process states are
-  kept apart, in ``states``, at every change);
+  most every 100 ms per busy stage, at once on a block or unblock that changes
+  the state shown) while the broker runs up to ``STATS_ROWS_PER_S`` / 10
+  stages; with more, each stage's at most every ``stages / STATS_ROWS_PER_S``
+  seconds, and its last one when it ends, so a thousand busy connections do
+  not write gigabytes (process states are kept apart, in ``states``, at every
+  change);
 * ``states.jsonl`` each process's state, a row per change (and one at its end);
 * ``events.jsonl`` state changes: spawn, connection, alarm set/clear,
   stage deaths, fsyncs;
