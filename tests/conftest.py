@@ -8,6 +8,7 @@ here may still run and no ``creditflow-`` entry may remain in /dev/shm.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -178,6 +179,14 @@ def children():
             os.waitpid(pid, 0)
         except (ProcessLookupError, ChildProcessError):
             pass
+
+
+def script_module(name: str):
+    """``scripts/NAME.py`` loaded as a module (the scripts are no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def fork(body) -> int:

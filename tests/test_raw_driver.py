@@ -9,16 +9,13 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, script_module
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 
 def raw_driver():
-    spec = importlib.util.spec_from_file_location("raw_driver", ROOT / "scripts" / "raw_driver.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script_module("raw_driver")
 
 
 def test_it_publishes_and_counts_what_the_consumer_received_in_the_window(broker):

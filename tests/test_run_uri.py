@@ -79,17 +79,13 @@ RABBITMQ_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"
 @pytest.fixture
 def rabbitmq_with_management():
     """A private RabbitMQ node with its management API (scripts/bench_vs_rabbitmq's), where one is installed."""
-    import importlib.util
     import os
 
     from amqp_targets import free_port
-    from conftest import ROOT
+    from conftest import script_module
     if not os.path.exists(RABBITMQ_SERVER):
         pytest.skip("RabbitMQ is not installed here (Debian's rabbitmq-server)")
-    spec = importlib.util.spec_from_file_location("_beside_rabbitmq", ROOT / "scripts" / "_beside_rabbitmq.py")
-    beside = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(beside)
-    node = beside.bench_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
+    node = script_module("_beside_rabbitmq").bench_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
     try:
         yield node
     finally:

@@ -14,28 +14,19 @@ few stages).
 
 from __future__ import annotations
 
-import importlib.util
-
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import ROOT
+from conftest import script_module
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 
 REGULAR_MS = 100            # pipeline.stage.STATS_INTERVAL_MS: a busy stage's regular pushes are this far apart
 
 
-def raw_driver():
-    spec = importlib.util.spec_from_file_location("raw_driver", ROOT / "scripts" / "raw_driver.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_channel_blocking_hundreds_of_times_a_second_shows_flow_throughout_from_few_pushes(start_broker):
     broker = start_broker("--management-port", "off")
-    raw_driver().run(broker.port, size=100, seconds=2.0, queue="flapping")
+    script_module("raw_driver").run(broker.port, size=100, seconds=2.0, queue="flapping")
     broker.stop()
 
     telemetry = broker.data_dir / "telemetry"
