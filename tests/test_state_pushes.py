@@ -18,10 +18,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import script_module
+from pipeline.stage import STATS_INTERVAL_MS          # a busy stage's regular pushes are this far apart
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
-
-REGULAR_MS = 100            # pipeline.stage.STATS_INTERVAL_MS: a busy stage's regular pushes are this far apart
 
 
 def test_a_channel_blocking_hundreds_of_times_a_second_shows_flow_throughout_from_few_pushes(start_broker):
@@ -35,7 +34,7 @@ def test_a_channel_blocking_hundreds_of_times_a_second_shows_flow_throughout_fro
                      key=lambda name: max(r["block_count"] or 0 for r in stats if r["name"] == name))
     rows = sorted((r for r in stats if r["name"] == publishing), key=lambda r: r["at_ns"])
     blocks = rows[-1]["block_count"]
-    between = [b for a, b in zip(rows, rows[1:]) if b["at_ns"] - a["at_ns"] < REGULAR_MS * 1_000_000]
+    between = [b for a, b in zip(rows, rows[1:]) if b["at_ns"] - a["at_ns"] < STATS_INTERVAL_MS * 1_000_000]
     states = [r["state"] for r in pq.read_table(telemetry / "states.parquet").to_pylist() if r["name"] == publishing]
 
     assert blocks >= 100, f"the channel blocked only {blocks} times: nothing here tells pushes from blocks"
