@@ -55,22 +55,15 @@ def state_at(stats: dict, now_ns: int) -> str:
     as a reader shows its connection's, or as RabbitMQ's management API shows any of its processes)."""
     if stats.get("conn_state"):
         return stats["conn_state"]
-    if stats.get("blocked"):
-        return "flow"
-    started = stats.get("block_started_ns")
-    if started is not None and now_ns - started < FLOW_HOLD_NS:
-        return "flow"
-    return "running"
+    return "flow" if _flow_until(stats) > now_ns else "running"
 
 
 def _flow_deadline(stats: dict, now_ns: int) -> int | None:
     """When the state will change by time alone (a held `flow` running out), if it will."""
-    if stats.get("conn_state") or stats.get("blocked"):
+    if stats.get("conn_state"):
         return None
-    started = stats.get("block_started_ns")
-    if started is not None and now_ns - started < FLOW_HOLD_NS:
-        return started + FLOW_HOLD_NS
-    return None
+    end = _flow_until(stats)
+    return int(end) if now_ns < end < NEVER else None
 
 
 def flow_until(blocked: bool, block_started_ns: int | None) -> float:
@@ -79,6 +72,10 @@ def flow_until(blocked: bool, block_started_ns: int | None) -> float:
     if blocked:
         return NEVER
     return -NEVER if block_started_ns is None else block_started_ns + FLOW_HOLD_NS
+
+
+def _flow_until(stats: dict) -> float:
+    return flow_until(bool(stats.get("blocked")), stats.get("block_started_ns"))
 
 
 def push_due_ns(told: tuple[bool, int | None], now: tuple[bool, int | None], now_ns: int) -> float | None:
