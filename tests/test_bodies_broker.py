@@ -7,6 +7,8 @@ the journal), and once every message is gone no slot stays held, also when a hol
 
 from __future__ import annotations
 
+import time
+
 import pika
 import pytest
 
@@ -78,6 +80,34 @@ def test_small_bodies_never_touch_an_arena(broker):
             ch.basic_publish("", "small", body(i, REF_MIN_BODY_BYTES - 1))
         assert drain(ch, "small", 50) == [body(i, REF_MIN_BODY_BYTES - 1) for i in range(50)]
         assert allocated(broker) == before
+
+
+def test_a_consumer_that_falls_behind_gets_its_bodies_as_loans_and_never_by_copy(broker):
+    """A consumer with no prefetch limit whose client stops reading: its socket fills, then its reader's
+    ring. The bodies go to the reader as loans only, LEND_IN_FLIGHT at most in its ring, and the rest
+    wait in the queue until the reader reads again (before, every delivery past those went to the
+    reader by copy, up to a thousand in its ring: three copies of the body in the queue, one more in
+    the reader)."""
+    count = 450                                   # 28 MiB: under half an arena, so nothing is pressed out
+    got = []
+    with connect(broker) as conn:
+        ch = conn.channel()
+        ch.queue_declare("loans")
+        for i in range(count):
+            ch.basic_publish("", "loans", body(i))
+        broker.wait_for(lambda s: s["processes"]["queue-loans"]["messages"] == count, what="the backlog queued")
+        ch.basic_consume("loans", lambda c, method, _p, data: (got.append(data), c.basic_ack(method.delivery_tag)))
+        time.sleep(1.0)                           # the client reads nothing meanwhile
+        stalled = broker.status()["processes"]["queue-loans"]
+        deadline = time.monotonic() + 30
+        while len(got) < count and time.monotonic() < deadline:
+            conn.process_data_events(time_limit=0.2)
+    assert got == [body(i) for i in range(count)]
+    assert stalled["messages"] > 0, stalled       # held back in the queue, not pushed to the reader by copy
+    status = broker.wait_for(lambda s: s["processes"]["queue-loans"]["acked"] == count, what="every ack counted")
+    queue = status["processes"]["queue-loans"]
+    assert (queue["bodies_lent"], queue["bodies_sent_by_copy"]) == (count, 0)
+    broker.wait_for(lambda s: held(s) == 0, what="every slot let go")
 
 
 def test_returns_gets_transactions_the_journal_and_dead_letters_carry_the_whole_body(broker):

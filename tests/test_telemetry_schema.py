@@ -49,7 +49,7 @@ STATUS_KEYS = {
              "consumer_bias consumer_bias_engaged consumers dead_letter_cycles dead_lettered dead_letters_sent deferred_grants delivered dropped "
              "durable enqueued expired host journal_fsyncs journal_full kind links message_bytes messages name "
              "paged_in paged_messages paged_out paging pid purged queue recovered redelivered rejected restarts "
-             "seconds state store_resent stored trims unacked consumer_details",
+             "seconds state store_resent stored trims unacked consumer_details bodies_lent bodies_sent_by_copy",
     "store": "adopted alive at_ns block_count block_started_ns blocked blocked_by blocked_total_ns deferred_grants "
              "disk_full disk_full_episodes fsync_ms_total fsyncs held_writes host kind links name pid removes "
              "restarts seconds segments state trims writes",
@@ -174,7 +174,7 @@ def a_queue(consumers: int) -> QueueStats:
                             "expired", "dead_lettered", "dropped", "rejected", "purged", "stored",
                             "awaiting_confirm", "recovered", "paged_messages", "paged_out", "paged_in",
                             "store_resent", "journal_fsyncs", "dead_letters_sent", "dead_letter_cycles",
-                            "consumer_bias_engaged"), 0)
+                            "consumer_bias_engaged", "bodies_lent", "bodies_sent_by_copy"), 0)
     details = tuple(ConsumerDetail(f"amq.ctag-{i:022d}", f"channel-{i}.1", 1, True, 10, False)
                     for i in range(min(consumers, schema.CONSUMER_DETAILS_KEPT)))
     left = consumers - len(details)

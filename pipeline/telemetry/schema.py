@@ -222,6 +222,8 @@ class QueueStats(StageStats):
     dead_letter_cycles: int
     consumer_bias: bool                  # publishes taken only as deliveries pay for them, now
     consumer_bias_engaged: int           # times that has begun
+    bodies_lent: int                     # deliveries whose body, held by reference, went as a loan
+    bodies_sent_by_copy: int             # ... and by copy instead: its reader could take no loan then
     consumer_details: tuple[ConsumerDetail, ...]   # at most CONSUMER_DETAILS_KEPT
     consumer_details_omitted: int | None = field(default=None, metadata=OPTIONAL)
 
