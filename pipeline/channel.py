@@ -726,9 +726,12 @@ class Channel(Stage):
         self.queue_gone(q, crashed=reason == "crashed")
         if self.waiting == ("queue", q.name):     # it will never answer what we asked
             ids = self.then or (0, 0)
+            # RabbitMQ retries a call whose queue process exited: a queue that ended as it should (deleted)
+            # is then not found, as when the queue itself answers what reached it after its deletion
+            text = (f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' process is stopped by supervisor"
+                    if reason == "crashed" else f"NOT_FOUND - no queue '{shown(q.name)}' in vhost '/'")
             self.answered(self.waiting, {"op": "error", "code": 404, "class_id": ids[0], "method_id": ids[1],
-                                         "text": f"NOT_FOUND - queue '{shown(q.name)}' in vhost '/' process is "
-                                                 "stopped by supervisor"})
+                                         "text": text})
 
     def queue_gone(self, q: QueueLinks, crashed: bool) -> None:
         """A queue process this channel used has ended (RabbitMQ's handle_publishing_queue_down and
