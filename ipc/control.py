@@ -38,6 +38,10 @@ from ipc.errors import ClosedByUs, CorruptRecord, IpcError, PeerGone, WouldBlock
 MAX_CONTROL_BYTES = 65536
 MAX_FDS = 8
 _FD_SPACE_BYTES = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+# socket's MSG_* are IntFlag members: or-ing two makes a new member (0.3 µs), once per message otherwise
+_SEND_FLAGS = int(socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+_RECV_FLAGS = int(socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+_CUT_SHORT = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 
 
 class MessageTooLarge(IpcError, ValueError):
@@ -73,7 +77,7 @@ def _send_nowait(sock: socket.socket, data: bytes, fds: Sequence[int]) -> None:
         raise ClosedByUs("control socket used after close()")
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     try:
-        sock.sendmsg([data], ancillary, socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT)
+        sock.sendmsg([data], ancillary, _SEND_FLAGS)
     except BlockingIOError:
         raise WouldBlock("the control socket's buffer is full") from None
     except (BrokenPipeError, ConnectionResetError):
@@ -161,8 +165,7 @@ def recv_msg_nowait(sock: socket.socket) -> tuple[dict, list[int]]:
         raise ClosedByUs("control socket used after close()")
     try:
         # recvmsg, not socket.recv_fds: the latter drops its flags argument in Python 3.11
-        data, ancdata, flags, _ = sock.recvmsg(MAX_CONTROL_BYTES, _FD_SPACE_BYTES,
-                                               socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC)
+        data, ancdata, flags, _ = sock.recvmsg(MAX_CONTROL_BYTES, _FD_SPACE_BYTES, _RECV_FLAGS)
     except BlockingIOError:
         raise WouldBlock("no control message waiting") from None
     except ConnectionResetError:
@@ -175,7 +178,7 @@ def recv_msg_nowait(sock: socket.socket) -> tuple[dict, list[int]]:
     if not data and not fds:
         raise PeerGone("the other end of the control socket closed it")
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        if flags & _CUT_SHORT:
             raise CorruptRecord(f"control message longer than {MAX_CONTROL_BYTES} bytes or "
                                 f"{MAX_FDS} fds was cut short")
         try:
