@@ -1,14 +1,23 @@
-"""What the scripts that run creditflow beside a private RabbitMQ node share: a free port, and
-``scripts/bench_vs_rabbitmq`` (which starts the node and a creditflow broker) loaded as a module."""
+"""What the scripts that run creditflow beside a private RabbitMQ node (or alone) share: a free port,
+``scripts/bench_vs_rabbitmq`` (which starts the node and a creditflow broker) loaded as a module, a
+broker's processes' CPU and memory, and a raw driver run that reads the CPU the broker and the driver
+used inside its publishing window."""
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import multiprocessing
 import os
 import socket
+import sys
+import threading
+import time
+
+import psutil
 
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+SETTLE_S = 1.0              # left out at each end of the publishing window when CPU is read
 
 
 def free_port() -> int:
@@ -24,3 +33,66 @@ def bench_module():
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     return module
+
+
+def cpu_seconds(procs) -> float:
+    """User + system seconds of ``procs`` (psutil processes; those gone are left out)."""
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def tree(root_pid: int) -> list:
+    """``root_pid`` and every process under it, alive now (a broker: creditflow's supervisor and its stages,
+    RabbitMQ's node and its children)."""
+    try:
+        root = psutil.Process(root_pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def pss_bytes(procs) -> int:
+    """Proportional set size of ``procs`` (shared pages counted once among them); those gone are left out."""
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def raw_run_with_cpu(port: int, broker_pid: int, seconds: float, **opts) -> dict:
+    """``raw_driver.run`` against the broker under ``broker_pid``, with the user + system time its processes
+    and the driver's own used from SETTLE_S after publishing starts to SETTLE_S before it stops, per message
+    delivered: ``broker_us_per_msg`` and ``driver_us_per_msg``. On two shared cores the rate is what is left
+    to the broker after the driver, so a rate that falls is told apart from a broker that got dearer."""
+    sys.path.insert(0, SCRIPTS)
+    import raw_driver
+    if seconds <= 2 * SETTLE_S:
+        raise ValueError(f"a run that reads CPU lasts over {2 * SETTLE_S:g} s")
+    result: dict = {}
+    launched = time.time()
+    run = threading.Thread(target=lambda: result.update(raw_driver.run(port, seconds=seconds, **opts)))
+    run.start()
+    # raw_driver starts publishing 2 s after it is called, its processes up by then
+    time.sleep(max(0.0, launched + 2.0 + SETTLE_S - time.time()))
+    broker = tree(broker_pid)
+    driver = [psutil.Process(c.pid) for c in multiprocessing.active_children()]
+    first = cpu_seconds(broker), cpu_seconds(driver)
+    window = seconds - 2 * SETTLE_S
+    time.sleep(window)
+    used = cpu_seconds(broker) - first[0], cpu_seconds(driver) - first[1]
+    run.join()
+    if not result:
+        raise SystemExit("raw driver: the run ended without a result")
+    delivered = result["deliver_rate"] * window
+    result["broker_us_per_msg"] = used[0] / delivered * 1e6 if delivered else float("inf")
+    result["driver_us_per_msg"] = used[1] / delivered * 1e6 if delivered else float("inf")
+    return result

@@ -98,14 +98,26 @@ def cpu_per_message():
     return module
 
 
-def test_cpu_per_message_reads_the_broker_s_cpu_inside_the_publishing_window(broker):
-    """scripts/cpu_per_message's run: a paced load the consumer keeps up with, and the CPU of the broker's
-    processes (the supervisor and everything under it) per message delivered in the window."""
-    script = cpu_per_message()
-    assert script.cpu_seconds(broker.proc.pid) > 0
-    row = script.one_run(broker.port, broker.proc.pid, size=100, rate=2000, seconds=4)
+def test_a_run_reads_the_broker_s_and_the_driver_s_cpu_inside_the_publishing_window(broker):
+    """The raw run scripts/bench_vs_rabbitmq and scripts/cpu_per_message use: a paced load the consumer
+    keeps up with, and the CPU of the broker's processes (the supervisor and everything under it) and of
+    the driver's own, per message delivered in the window."""
+    beside = script_module("_beside_rabbitmq")
+    assert len(beside.tree(broker.proc.pid)) >= 3         # the supervisor, its store and its watchdog at least
+    run = beside.raw_run_with_cpu(broker.port, broker.proc.pid, 4, size=100, rate=2000, queue="raw-cpu")
+    assert run["deliver_rate"] >= 1900 and not run["overrun"], run
+    assert 1 < run["broker_us_per_msg"] < 100_000, run
+    assert 0.1 < run["driver_us_per_msg"] < 100_000, run  # its publisher, consumer and depth sampler were read
+    row = cpu_per_message().one_run(broker.port, broker.proc.pid, size=100, rate=2000, seconds=4)
     assert row["kept_up"] and row["delivered"] >= 1900
     assert 1 < row["us_per_msg"] < 100_000, row
+
+
+def test_bench_vs_rabbitmq_refuses_a_raw_run_too_short_to_read_cpu_before_it_starts_anything():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vs_rabbitmq"), "--driver", "raw",
+                           "--seconds", "2"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "bench_vs_rabbitmq" in proc.stderr
 
 
 @pytest.mark.parametrize("args", [["--sizes", "100,4096", "--rates", "1000"], ["--rates", "fast"],
