@@ -1720,7 +1720,7 @@ class Supervisor:
         self.owner.unlink_all()
         if self.management_sock is not None:
             self.management_sock.close()
-        self.telemetry.close(self.status())
+        self.telemetry.close(self.status(), process_ends=True)
         self.ctl.close()
         try:
             os.unlink(os.path.join(self.cfg.data_dir, "broker.json"))

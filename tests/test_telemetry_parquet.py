@@ -269,6 +269,21 @@ def test_pyarrow_is_loaded_only_when_the_recorder_closes(tmp_path):
     assert out.stdout.split() == ["False", "True"], out.stderr
 
 
+@pytest.mark.parametrize("process_ends, pandas_after_close", [(True, False), (False, True)])
+def test_a_process_that_ends_after_closing_compacts_without_importing_pandas(tmp_path, process_ends,
+                                                                            pandas_after_close):
+    """The supervisor's close: the same Parquet, pandas never imported (it was half of a broker's stop),
+    and pandas importable afterwards. A close that the process outlives lets pyarrow import it."""
+    code = ("import sys; from pipeline.telemetry import Recorder; "
+            f"r = Recorder({str(tmp_path)!r}); r.state(1, 'store', 'store', 'running'); r.flush(); "
+            f"r.close({{}}, process_ends={process_ends}); print('pandas' in sys.modules); "
+            "import pandas; print(pandas.DataFrame({'a': [1]}).shape)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == [str(pandas_after_close), "(1,", "1)"], out.stdout + out.stderr
+    assert not (tmp_path / "telemetry" / "states.jsonl").exists()
+    assert pq.read_table(tmp_path / "telemetry" / "states.parquet").column("state").to_pylist() == ["running"]
+
+
 # -- the report reads either form --------------------------------------------------------------------------
 
 def rows_of(df) -> list[str]:

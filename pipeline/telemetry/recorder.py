@@ -35,6 +35,7 @@ report reads either.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -109,7 +110,9 @@ class Recorder:
         self.logfile.flush()
         self.last_flush = time.monotonic()
 
-    def close(self, final_status: dict) -> None:
+    def close(self, final_status: dict, *, process_ends: bool = False) -> None:
+        """Write what is buffered and the final status, then compact to Parquet (``process_ends``: this
+        process ends next, so the compaction may keep pandas out: ``parquet.pandas_kept_out``)."""
         for name in list(self.held):
             self.stage_ended(name)
         self.flush()
@@ -117,14 +120,15 @@ class Recorder:
             json.dump(final_status, f, default=str)
         for f in self.files.values():
             f.close()
-        self._compact()
+        self._compact(process_ends)
         self.logfile.close()
 
-    def _compact(self) -> None:
+    def _compact(self, process_ends: bool) -> None:
         """Turn the closed JSONL files into Parquet; on any failure log it and keep the JSONL."""
         try:
             from pipeline.telemetry import parquet   # pyarrow: loaded only now, never while the broker runs
-            results = parquet.compact(self.dir)
+            with parquet.pandas_kept_out() if process_ends else contextlib.nullcontext():
+                results = parquet.compact(self.dir)
         except Exception as e:  # noqa: BLE001 - whatever went wrong, the JSONL is still there
             self.log("warning", f"telemetry kept as JSON lines: {type(e).__name__}: {e}")
             return
