@@ -30,6 +30,7 @@ shell does the I/O those actions need:
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import itertools
 import struct
@@ -961,6 +962,10 @@ class Queue(Stage):
         """The first ``CONSUMER_DETAILS_KEPT`` consumers, and how many were left out (None: none)."""
         kept = tuple(itertools.islice((c.detail for c in self.consumers.values() if c.detail is not None),
                                       CONSUMER_DETAILS_KEPT))
+        if self.args.single_active_consumer:
+            holder = self.core.single_active_consumer
+            kept = tuple(d if (d.channel, d.consumer_tag) == holder else dataclasses.replace(d, active=False)
+                         for d in kept)
         left = len(self.consumers) - len(kept)
         return kept, (left if left > 0 else None)
 
@@ -979,4 +984,8 @@ class Queue(Stage):
             dead_letters_sent=self.dl_sent, dead_letter_cycles=self.dl_cycles, consumer_bias=self.bias.active,
             consumer_bias_engaged=self.bias.engaged, bodies_lent=self.bodies_lent,
             bodies_sent_by_copy=self.bodies_sent_by_copy, consumer_details=details,
-            consumer_details_omitted=omitted)
+            consumer_details_omitted=omitted, single_active_consumer_tag=self.single_active_consumer_tag())
+
+    def single_active_consumer_tag(self) -> str | None:
+        holder = self.core.single_active_consumer          # (channel, consumer tag)
+        return None if holder is None else holder[1]

@@ -120,6 +120,45 @@ def test_a_higher_priority_consumer_is_served_first_and_lower_ones_only_when_it_
     assert got == ["high-a", "high-b", "high-a", "low", "low", "low"]
 
 
+def test_a_single_active_consumer_gets_everything_and_the_highest_priority_waiting_one_takes_over_as_rabbitmq():
+    """As RabbitMQ 3.10.8: c1 came first and is the active one, c3's x-priority 10 does not take it over;
+    when c1 goes, c3 (priority 10) takes over before c2 (came earlier); what c1 held stays with its channel
+    until that closes, then goes back in order. (3.10.8's queue process crashes on the next publish after
+    an active consumer holding unacked deliveries is cancelled; here the next one takes over at once.)"""
+    clock = Clock()
+    q = queue(clock, single_active_consumer=True)
+    q.consume("c1", "ch1", clock(), prefetch=5)
+    q.consume("c2", "ch2", clock(), prefetch=5)
+    q.consume("c3", "ch3", clock(), prefetch=5, priority=10)
+    assert q.single_active_consumer == "c1"
+    out = [a for i in range(20) for a in q.publish(m(str(i)), clock())]
+    assert [a.consumer for a in out] == ["c1"] * 5 and bodies(out) == ["0", "1", "2", "3", "4"]
+    assert q.statistics().consumers == 3
+    q.cancel("c1", clock())
+    assert q.single_active_consumer == "c3"
+    to_c3 = q.deliver(clock())
+    assert [(a.consumer, a.message.payload) for a in to_c3] == [("c3", str(i)) for i in range(5, 10)]
+    q.channel_closed("ch1", clock())                # c1's five come back, ahead of the rest
+    assert q.deliver(clock()) == []                 # c3 is at its prefetch
+    q.ack("ch3", [to_c3[0].message.id])
+    got = q.deliver(clock())
+    assert [(a.consumer, a.message.payload, a.redelivered) for a in got] == [("c3", "0", True)]
+    q.channel_closed("ch3", clock())
+    assert q.single_active_consumer == "c2"
+    assert [a.consumer for a in q.deliver(clock())] == ["c2"] * 5
+    q.cancel("c2", clock())
+    assert q.single_active_consumer is None and q.statistics().consumers == 0
+
+
+def test_without_single_active_consumer_no_consumer_waits():
+    clock = Clock()
+    q = queue(clock)
+    q.consume("c1", "ch1", clock())
+    q.consume("c2", "ch2", clock())
+    assert q.single_active_consumer is None
+    assert [q.publish(m(str(i)), clock())[0].consumer for i in range(4)] == ["c1", "c2", "c1", "c2"]
+
+
 def test_prefetch_holds_a_consumer_at_its_limit_until_it_acks():
     clock = Clock()
     q = queue(clock)
@@ -678,8 +717,8 @@ def test_valid_queue_arguments_mean_what_rabbitmq_means():
     assert parse_queue_args("q", None) == QueueArgs()
     with pytest.raises(InvalidArgument, match="unsupported queue type 'quorum'"):
         parse_queue_args("q", {"x-queue-type": "quorum"})
-    with pytest.raises(InvalidArgument, match="x-single-active-consumer"):
-        parse_queue_args("q", {"x-single-active-consumer": True})
+    assert parse_queue_args("q", {"x-single-active-consumer": True}) == QueueArgs(single_active_consumer=True)
+    assert parse_queue_args("q", {"x-single-active-consumer": False}) == QueueArgs()
 
 
 @pytest.mark.parametrize("current, requested, text", [

@@ -10,6 +10,8 @@ pytest tests/test_client_*.py`` (see ``tests/amqp_targets.py``).
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import time
 
 import pika
@@ -427,6 +429,94 @@ def test_max_priority_delivers_higher_priorities_first(amqp):
             ch.basic_publish("", q, body, pika.BasicProperties(priority=priority))
         # priorities above the maximum count as the maximum
         assert bodies(ch, q, 6) == [b"high", b"over", b"mid", b"low", b"low2", b"none"]
+
+
+def _collect(conn, got: dict, who: str, n: int) -> None:
+    """Dispatch deliveries until ``who`` has ``n`` (5 s at most), and a little longer: nothing more may come."""
+    deadline = time.monotonic() + 5
+    while len(got[who]) < n and time.monotonic() < deadline:
+        conn.process_data_events(0.05)
+    conn.process_data_events(0.2)
+
+
+def _hold_five(params, queue: str, ready: int) -> None:
+    """In a forked child: consume ``queue`` with prefetch 5, ack nothing, say so on ``ready`` once five came."""
+    code = 1
+    try:
+        got = []
+        with pika.BlockingConnection(params) as conn:
+            ch = conn.channel()
+            ch.basic_qos(prefetch_count=5)
+            ch.basic_consume(queue, lambda c, m, p, b: got.append(b), consumer_tag="c1")
+            os.write(ready, b"c")                  # consuming
+            while len(got) < 5:
+                conn.process_data_events(0.05)
+            os.write(ready, b"".join(got) + b"\n")
+            while True:
+                conn.process_data_events(1)
+    finally:
+        os._exit(code)
+
+
+def test_a_single_active_consumer_that_dies_hands_its_unacked_and_the_rest_to_the_highest_priority(amqp, children):
+    """x-single-active-consumer: c1 (a process of its own) came first and alone is delivered to, though c3
+    has x-priority 10; c1's process is killed with five unacked, and c3 (not c2, which came earlier) takes
+    over, those five first, redelivered, then the rest. As RabbitMQ 3.10.8 does."""
+    q = amqp.name("sac")
+    got: dict[str, list] = {"c2": [], "c3": []}
+    with connect(amqp) as conn:
+        ch2, ch3 = conn.channel(), conn.channel()
+        ch2.queue_declare(q, arguments={"x-single-active-consumer": True})
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _hold_five(amqp.pika_params(), q, w)
+        children.append(pid)
+        os.close(w)
+        assert os.read(r, 1) == b"c"
+        for ch, tag, args in ((ch2, "c2", None), (ch3, "c3", {"x-priority": 10})):
+            ch.basic_qos(prefetch_count=5)
+            ch.basic_consume(q, lambda c, m, p, b, tag=tag: got[tag].append((m.delivery_tag, b, m.redelivered)),
+                             consumer_tag=tag, arguments=args)
+        for i in range(20):
+            ch2.basic_publish("", q, b"%d" % i)
+        with os.fdopen(r, "rb") as ready:
+            assert ready.readline() == b"01234\n"
+        _collect(conn, got, "c3", 0)
+        assert not got["c2"] and not got["c3"]
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        _collect(conn, got, "c3", 5)
+        assert [(b, r) for _, b, r in got["c3"]] == [(b"%d" % i, True) for i in range(5)] and not got["c2"]
+        ch3.basic_ack(got["c3"][-1][0], multiple=True)
+        _collect(conn, got, "c3", 10)
+        assert [(b, r) for _, b, r in got["c3"][5:]] == [(b"%d" % i, False) for i in range(5, 10)]
+        assert not got["c2"]
+        assert ch2.queue_declare(q, passive=True).method.consumer_count == 2
+
+
+def test_a_cancelled_single_active_consumer_hands_over_to_the_highest_priority_waiting_one(amqp):
+    """No-ack consumers: c1 cancels, and c3 (x-priority 10) gets what comes next, c2 nothing. (RabbitMQ
+    3.10.8's queue process crashes on the next publish if the cancelled one still held unacked
+    deliveries; creditflow hands over then too.)"""
+    q = amqp.name("sac-cancel")
+    got: dict[str, list] = {"c1": [], "c2": [], "c3": []}
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q, arguments={"x-single-active-consumer": True})
+        for tag, args in (("c1", None), ("c2", None), ("c3", {"x-priority": 10})):
+            ch.basic_consume(q, lambda c, m, p, b, tag=tag: got[tag].append((m.delivery_tag, b, m.redelivered)),
+                             auto_ack=True, consumer_tag=tag, arguments=args)
+        for i in range(3):
+            ch.basic_publish("", q, b"%d" % i)
+        _collect(conn, got, "c1", 3)
+        ch.basic_cancel("c1")
+        for i in range(3, 6):
+            ch.basic_publish("", q, b"%d" % i)
+        _collect(conn, got, "c3", 3)
+        assert {k: [b for _, b, _ in v] for k, v in got.items()} == {
+            "c1": [b"0", b"1", b"2"], "c2": [], "c3": [b"3", b"4", b"5"]}
 
 
 def test_requeued_messages_come_back_in_their_original_order(amqp):

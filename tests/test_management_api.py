@@ -348,6 +348,41 @@ def test_a_pika_consumer_shows_its_prefetch_tag_bytes_and_client_properties(brok
         conn.close()
 
 
+def test_a_single_active_consumer_and_those_waiting_show_as_rabbitmq_3_10_shows_them(broker):
+    """RabbitMQ 3.10.8: the queue's single_active_consumer_tag (null on other queues), each consumer
+    active and single_active, or not and waiting; a plain queue's consumers up."""
+    import pika
+    port = broker.info["management_port"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    try:
+        ch = conn.channel()
+        ch.queue_declare("plain")
+        ch.basic_consume("plain", lambda *a: None, consumer_tag="p1")
+        ch.queue_declare("sacq", arguments={"x-single-active-consumer": True})
+        for tag in ("s1", "s2"):
+            ch.basic_consume("sacq", lambda *a: None, consumer_tag=tag)
+        conn.process_data_events(0.3)
+
+        def both_consuming():
+            q = get(port, "/api/queues/%2F/sacq")[1]
+            return q if q["consumers"] == 2 and len(q["consumer_details"]) == 2 else None
+        q = wait_until(both_consuming, what="the two consumers of sacq")
+        assert q["single_active_consumer_tag"] == "s1"
+        assert sorted((c["consumer_tag"], c["active"], c["activity_status"]) for c in q["consumer_details"]) == [
+            ("s1", True, "single_active"), ("s2", False, "waiting")]
+        plain = get(port, "/api/queues/%2F/plain")[1]
+        assert plain["single_active_consumer_tag"] is None
+        assert [(c["consumer_tag"], c["active"], c["activity_status"]) for c in plain["consumer_details"]] == [
+            ("p1", True, "up")]
+        listed = {c["consumer_tag"]: c["activity_status"] for c in get(port, "/api/consumers")[1]}
+        assert listed == {"p1": "up", "s1": "single_active", "s2": "waiting"}
+        ch.basic_cancel("s1")
+        wait_until(lambda: get(port, "/api/queues/%2F/sacq")[1]["single_active_consumer_tag"] == "s2",
+                   what="s2 to take over")
+    finally:
+        conn.close()
+
+
 @pytest.mark.processes
 def test_a_dead_management_process_is_restarted_on_the_same_port(start_broker):
     broker = start_broker()

@@ -191,7 +191,7 @@ def test_a_queue_with_thousands_of_consumers_lists_the_first_hundred_and_counts_
     assert msg["consumer_details_omitted"] == 5000 - schema.CONSUMER_DETAILS_KEPT
     assert msg["consumer_details"][0] == {"consumer_tag": "amq.ctag-" + "0" * 22, "channel": "channel-0.1",
                                           "channel_number": 1, "ack_required": True, "prefetch_count": 10,
-                                          "exclusive": False}
+                                          "exclusive": False, "active": True}
     assert len(json.dumps(msg).encode()) < MAX_CONTROL_BYTES // 2     # room left for the links
 
 

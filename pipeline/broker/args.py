@@ -22,9 +22,9 @@ argument in the order of RabbitMQ's table (``x-expires``,
 ``x-overflow``, ``x-queue-mode``, ``x-queue-version``,
 ``x-single-active-consumer``); then, in the client's order, an argument
 that belongs to another queue type. Unknown ``x-`` names are accepted and
-ignored, as RabbitMQ does. Two departures, both refused with 406 rather
-than built half-way: ``x-queue-type`` other than ``classic`` (RabbitMQ would
-make a quorum queue or a stream) and ``x-single-active-consumer: true``.
+ignored, as RabbitMQ does. One departure, refused with 406 rather than
+built half-way: ``x-queue-type`` other than ``classic`` (RabbitMQ would make
+a quorum queue or a stream).
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class QueueArgs:
     max_priority: int | None = None            # x-max-priority: a priority queue with levels 0..max
     queue_mode: str = "default"                # x-queue-mode: default | lazy
     queue_version: int | None = None           # x-queue-version: 1 | 2
+    single_active_consumer: bool = False       # x-single-active-consumer: one consumer gets it all
 
 
 def _int_error(value) -> str | None:
@@ -306,8 +307,6 @@ def parse_queue_args(queue: str, arguments: Mapping | None) -> QueueArgs:
         if key in OTHER_TYPES_ARGS:
             raise InvalidArgument(f"PRECONDITION_FAILED - invalid arg '{key}' for {resource(queue)} "
                                   f"of queue type rabbit_classic_queue")
-    if _plain(args.get("x-single-active-consumer", False)):
-        raise _invalid("x-single-active-consumer", queue, _quoted("single active consumer is not supported here"))
     def get(key):
         return _plain(args[key]) if key in args else None
 
@@ -318,7 +317,7 @@ def parse_queue_args(queue: str, arguments: Mapping | None) -> QueueArgs:
         dead_letter_routing_key=(_text(args["x-dead-letter-routing-key"])
                                  if "x-dead-letter-routing-key" in args else None),
         max_priority=get("x-max-priority"), queue_mode=_text(args.get("x-queue-mode", "default")),
-        queue_version=get("x-queue-version"))
+        queue_version=get("x-queue-version"), single_active_consumer=bool(get("x-single-active-consumer")))
 
 
 # -- redeclare ----------------------------------------------------------------------------------

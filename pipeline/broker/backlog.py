@@ -89,7 +89,14 @@ prefetch, priorities under max-length, TTL 0 with and without consumers,
 reject-publish with a waiting consumer, ``x-death`` shapes, cycles and every
 reply text.
 
-Not modelled: single active consumer and AMQP 1.0 credit.
+With ``x-single-active-consumer`` the first consumer to come is the only
+one delivered to; the others wait (``WAITING``) and, when it goes, the
+waiting one with the highest ``x-priority`` takes over, the first to come
+among equals, as RabbitMQ 3.10's classic queue picks from its consumers'
+priority queue (checked against 3.10.8). What the one that went holds
+unacked stays with its channel, as after any cancel.
+
+Not modelled: AMQP 1.0 credit.
 """
 
 from __future__ import annotations
@@ -115,6 +122,7 @@ MAXLEN = "maxlen"
 _WITHOUT_DLX = {EXPIRED: EXPIRED, MAXLEN: DROPPED, REJECTED: REJECTED}
 # why a consumer is out of the rotation (None: in it)
 ROOM, PREFETCH, CHANNEL, CANCELLED = "room", "prefetch", "channel", "cancelled"
+WAITING = "waiting"                   # x-single-active-consumer: not the queue's active consumer
 AUTO_DELETE, EXPIRES = "auto_delete", "expires"          # DeleteQueue.reason
 
 
@@ -358,6 +366,9 @@ class Backlog:
         self._channels: dict = {}
         self._limited: list = []       # channels under basic.qos global=true
         self._exclusive = None         # key of the exclusive consumer
+        self._single = args.single_active_consumer
+        self._holder: _Consumer | None = None  # x-single-active-consumer: the one consumer delivered to
+        self._sac_waiting: list = []           # the others, in the order they came
         self._had_consumers = False
         self._expires_ns = None if args.expires_ms is None else args.expires_ms * NS_PER_MS
         self._last_used_ns = now_ns
@@ -544,6 +555,12 @@ class Backlog:
         if exclusive:
             self._exclusive = key
         self._had_consumers = True
+        if self._single:
+            if self._holder is not None:
+                c.blocked = WAITING
+                self._sac_waiting.append(c)
+                return
+            self._holder = c
         self._activate(c)
 
     def cancel(self, key: Hashable, now_ns: int):
@@ -573,10 +590,26 @@ class Backlog:
             self._room_blocked.remove(c)
         elif c.blocked is CHANNEL:
             c.channel.waiting.remove(c)
+        elif c.blocked is WAITING:
+            self._sac_waiting.remove(c)
         c.blocked = CANCELLED
         c.channel.consumers -= 1
         if self._exclusive == c.key:
             self._exclusive = None
+        if c is self._holder:
+            self._holder = None
+            if self._sac_waiting:
+                # RabbitMQ 3.10 takes the next from its consumers' priority queue: the highest x-priority,
+                # the first to come among equals (checked against 3.10.8)
+                best = max(self._sac_waiting, key=_priority_of)
+                self._sac_waiting.remove(best)
+                self._holder = best
+                self._activate(best)
+
+    @property
+    def single_active_consumer(self) -> Hashable | None:
+        """The key of the consumer a queue with x-single-active-consumer delivers to (None: none, or no such queue)."""
+        return self._holder.key if self._holder is not None else None
 
     def _activate(self, c: _Consumer) -> None:
         c.blocked = None
@@ -932,6 +965,10 @@ class Backlog:
             consumers=len(self._consumers), unconfirmed=len(self._unconfirmed), published=self._published,
             restored=self._restored, delivered=self._delivered, redelivered=self._redelivered,
             requeued=self._requeued, **self._ended)
+
+
+def _priority_of(c: _Consumer) -> int:
+    return c.priority
 
 
 def _by_id(msg: Message) -> int:

@@ -83,7 +83,16 @@ def retire(retired: dict, kind: str | None, msg: dict) -> None:
         into[key] = into.get(key, 0) + value
 
 
+def activity(c, single_active: bool) -> str:
+    """A consumer's ``activity_status`` as RabbitMQ 3.10 gives it: ``up``, or with a single active
+    consumer ``single_active`` for that one and ``waiting`` for the others."""
+    if not single_active:
+        return "up"
+    return "single_active" if c.active else "waiting"
+
+
 # -- rates ------------------------------------------------------------------------------------------------
+
 class RateBook:
     """Successive samples of every counter; ``rate(key)`` per second. ``observe`` once per new status."""
 
@@ -402,6 +411,7 @@ class Views:
             "creditflow": {**self.process_extra(proc), "paging": q.paging if q else False,
                            "awaiting_confirm": q.awaiting_confirm if q else 0},
         }
+        out["single_active_consumer_tag"] = q.single_active_consumer_tag if q else None
         if detail:
             out["consumer_details"] = self.consumers_of(name, q)
         return out
@@ -421,10 +431,11 @@ class Views:
         ``schema.CONSUMER_DETAILS_KEPT``); those it left out are entries without tag or channel."""
         if q is None:
             return []
+        sac = q.single_active_consumer_tag is not None
         out = [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": c.consumer_tag,
                 "channel_details": self.channel_details(c.channel, c.channel_number),
                 "ack_required": c.ack_required, "prefetch_count": c.prefetch_count,
-                "exclusive": c.exclusive, "active": True, "activity_status": "up", "arguments": {}}
+                "exclusive": c.exclusive, "active": c.active, "activity_status": activity(c, sac), "arguments": {}}
                for c in q.consumer_details]
         unnamed = max(0, q.consumers - len(out))
         return out + [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},

@@ -113,6 +113,7 @@ class ConsumerDetail:
     ack_required: bool
     prefetch_count: int
     exclusive: bool
+    active: bool = True          # False: waiting behind a queue's single active consumer
 
 
 class NoticeSent(NamedTuple):
@@ -226,6 +227,7 @@ class QueueStats(StageStats):
     bodies_sent_by_copy: int             # ... and by copy instead: its reader could take no loan then
     consumer_details: tuple[ConsumerDetail, ...]   # at most CONSUMER_DETAILS_KEPT
     consumer_details_omitted: int | None = field(default=None, metadata=OPTIONAL)
+    single_active_consumer_tag: str | None = field(default=None, metadata=OPTIONAL)   # x-single-active-consumer
 
 
 @dataclass(frozen=True, kw_only=True)
