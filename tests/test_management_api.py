@@ -179,6 +179,23 @@ def test_what_the_stages_report_fills_connections_channels_and_consumers():
     assert unnamed["consumer_tag"] is None and unnamed["channel_details"] == {}
 
 
+@pytest.mark.parametrize("listed_active, expected", [
+    (True, [("ctag-a", True, "single_active"), (None, False, "waiting")]),
+    (False, [("ctag-a", False, "waiting"), (None, True, "single_active")]),
+])
+def test_a_single_active_consumer_left_out_of_the_list_is_still_one_of_its_consumers(listed_active, expected):
+    """A queue lists its first hundred consumers: with a single active consumer the rest wait, unless the
+    active one is among those left out (then one of them is it)."""
+    st = status()
+    st["processes"]["queue-q1"].update(single_active_consumer_tag="ctag-a" if listed_active else "ctag-z",
+                                       consumer_details=[
+        {"consumer_tag": "ctag-a", "channel": "channel-1.1", "channel_number": 1, "ack_required": True,
+         "prefetch_count": 7, "exclusive": False, "active": listed_active}])
+    v = Views(st)
+    assert [(c["consumer_tag"], c["active"], c["activity_status"]) for c in v.consumers()] == expected
+    assert v.find_queue("/", "q1")["single_active_consumer_tag"] == ("ctag-a" if listed_active else "ctag-z")
+
+
 # -- a real broker ---------------------------------------------------------------------------------------------
 def get(port: int, path: str, auth=("guest", "guest")):
     """(status code, parsed JSON or raw bytes, headers)."""

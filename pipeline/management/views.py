@@ -438,9 +438,13 @@ class Views:
                 "exclusive": c.exclusive, "active": c.active, "activity_status": activity(c, sac), "arguments": {}}
                for c in q.consumer_details]
         unnamed = max(0, q.consumers - len(out))
+        # with a single active consumer, the ones left out wait, unless it is among them (then one is it)
+        holder_left_out = sac and not any(c.active for c in q.consumer_details)
         return out + [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},
-                       "ack_required": None, "prefetch_count": None, "exclusive": None, "active": True,
-                       "activity_status": "up", "arguments": {}} for _ in range(unnamed)]
+                       "ack_required": None, "prefetch_count": None, "exclusive": None,
+                       "active": not sac or (holder_left_out and i == 0),
+                       "activity_status": "up" if not sac else "single_active" if holder_left_out and i == 0
+                       else "waiting", "arguments": {}} for i in range(unnamed)]
 
     def consumers(self) -> list[dict]:
         out = []
