@@ -608,7 +608,8 @@ class Backlog:
 
     @property
     def single_active_consumer(self) -> Hashable | None:
-        """The key of the consumer a queue with x-single-active-consumer delivers to (None: none, or no such queue)."""
+        """The key of the consumer a queue with x-single-active-consumer delivers to (None: it has none, or
+        the queue has no single active consumer)."""
         return self._holder.key if self._holder is not None else None
 
     def _activate(self, c: _Consumer) -> None:

@@ -83,16 +83,15 @@ def retire(retired: dict, kind: str | None, msg: dict) -> None:
         into[key] = into.get(key, 0) + value
 
 
-def activity(c, single_active: bool) -> str:
+def activity(active: bool, single_active: bool) -> str:
     """A consumer's ``activity_status`` as RabbitMQ 3.10 gives it: ``up``, or with a single active
     consumer ``single_active`` for that one and ``waiting`` for the others."""
     if not single_active:
         return "up"
-    return "single_active" if c.active else "waiting"
+    return "single_active" if active else "waiting"
 
 
 # -- rates ------------------------------------------------------------------------------------------------
-
 class RateBook:
     """Successive samples of every counter; ``rate(key)`` per second. ``observe`` once per new status."""
 
@@ -435,16 +434,16 @@ class Views:
         out = [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": c.consumer_tag,
                 "channel_details": self.channel_details(c.channel, c.channel_number),
                 "ack_required": c.ack_required, "prefetch_count": c.prefetch_count,
-                "exclusive": c.exclusive, "active": c.active, "activity_status": activity(c, sac), "arguments": {}}
+                "exclusive": c.exclusive, "active": c.active, "activity_status": activity(c.active, sac),
+                "arguments": {}}
                for c in q.consumer_details]
         unnamed = max(0, q.consumers - len(out))
         # with a single active consumer, the ones left out wait, unless it is among them (then one is it)
         holder_left_out = sac and not any(c.active for c in q.consumer_details)
+        actives = [not sac or (holder_left_out and i == 0) for i in range(unnamed)]
         return out + [{"queue": {"name": queue, "vhost": VHOST}, "consumer_tag": None, "channel_details": {},
-                       "ack_required": None, "prefetch_count": None, "exclusive": None,
-                       "active": not sac or (holder_left_out and i == 0),
-                       "activity_status": "up" if not sac else "single_active" if holder_left_out and i == 0
-                       else "waiting", "arguments": {}} for i in range(unnamed)]
+                       "ack_required": None, "prefetch_count": None, "exclusive": None, "active": active,
+                       "activity_status": activity(active, sac), "arguments": {}} for active in actives]
 
     def consumers(self) -> list[dict]:
         out = []

@@ -435,4 +435,5 @@ def pandas_kept_out() -> Iterator[None]:
 
 __all__ = ["CHUNK_LINES", "COMPRESSION", "EXTRA", "CompactionFailed", "EVENTS_SCHEMA", "EVENT_DATA_TYPE",
            "LINK_TYPE", "SHAPERS", "STATES_SCHEMA", "STATS_SCHEMA", "TABLES", "arrow_type", "compact",
-           "compact_file", "conform", "pandas_kept_out", "parse_lines", "shape", "shapers", "to_table", "unnamed_fields"]
+           "compact_file", "conform", "pandas_kept_out", "parse_lines", "shape", "shapers", "to_table",
+           "unnamed_fields"]
