@@ -150,6 +150,17 @@ def test_a_single_active_consumer_gets_everything_and_the_highest_priority_waiti
     assert q.single_active_consumer is None and q.statistics().consumers == 0
 
 
+def test_a_queue_with_a_single_active_consumer_refuses_every_exclusive_consume_as_rabbitmq():
+    clock = Clock()
+    q = queue(clock, single_active_consumer=True)
+    with pytest.raises(AccessRefused, match="in exclusive use"):
+        q.consume("c1", "ch1", clock(), exclusive=True)
+    q.consume("c1", "ch1", clock())
+    with pytest.raises(AccessRefused, match="in exclusive use"):
+        q.consume("c2", "ch2", clock(), exclusive=True)
+    assert q.statistics().consumers == 1
+
+
 def test_without_single_active_consumer_no_consumer_waits():
     clock = Clock()
     q = queue(clock)

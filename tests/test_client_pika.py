@@ -496,6 +496,15 @@ def test_a_single_active_consumer_that_dies_hands_its_unacked_and_the_rest_to_th
         assert ch2.queue_declare(q, passive=True).method.consumer_count == 2
 
 
+def test_an_exclusive_consume_on_a_queue_with_a_single_active_consumer_is_refused_even_the_first(amqp):
+    q = amqp.name("sac-exclusive")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q, arguments={"x-single-active-consumer": True})
+        assert refusal(ch.basic_consume, q, lambda *a: None, exclusive=True) == (
+            403, f"ACCESS_REFUSED - queue '{q}' in vhost '/' in exclusive use")
+
+
 def test_a_cancelled_single_active_consumer_hands_over_to_the_highest_priority_waiting_one(amqp):
     """No-ack consumers: c1 cancels, and c3 (x-priority 10) gets what comes next, c2 nothing. (RabbitMQ
     3.10.8's queue process crashes on the next publish if the cancelled one still held unacked

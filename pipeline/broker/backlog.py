@@ -546,7 +546,8 @@ class Backlog:
         """
         if key in self._consumers:
             raise ShellMisuse(f"INTERNAL_ERROR - consumer {key!r} is already on {resource(self.name)}")
-        if self._exclusive is not None or (exclusive and self._consumers):
+        # with a single active consumer RabbitMQ 3.10 refuses every exclusive consume, the first one too
+        if self._exclusive is not None or (exclusive and (self._consumers or self._single)):
             raise AccessRefused(f"ACCESS_REFUSED - {resource(self.name)} in exclusive use")
         ch = self._channel(channel)
         c = _Consumer(key, ch, channel if transport is None else transport, no_ack, prefetch, priority)
