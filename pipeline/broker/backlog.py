@@ -94,7 +94,8 @@ one delivered to; the others wait (``WAITING``) and, when it goes, the
 waiting one with the highest ``x-priority`` takes over, the first to come
 among equals, as RabbitMQ 3.10's classic queue picks from its consumers'
 priority queue (checked against 3.10.8). What the one that went holds
-unacked stays with its channel, as after any cancel.
+unacked stays with its channel, as after any cancel. An exclusive consume
+on such a queue is refused, the first one too, as 3.10.8 refuses it.
 
 Not modelled: AMQP 1.0 credit.
 """
