@@ -265,8 +265,9 @@ def _fmt(stat, unit="", scale=1.0) -> str:
 
 
 def run_bench(args) -> int:
-    results = {"scenarios": [], "micro": {}, "not_supported": NOT_SUPPORTED,
-               "machine": {"cpus": os.cpu_count()}}
+    from pipeline import machine
+    results = {"scenarios": [], "micro": {}, "not_supported": NOT_SUPPORTED, "machine": machine.describe()}
+    print(machine.line(results["machine"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="creditflow-bench-") as workdir:
         for name, load_opts, broker_opts in SCENARIOS:
             if args.only and args.only not in name:
