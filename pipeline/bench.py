@@ -266,11 +266,15 @@ def _fmt(stat, unit="", scale=1.0) -> str:
 
 def run_bench(args) -> int:
     from pipeline import machine
+
+    def wanted(name: str) -> bool:
+        return not args.only or args.only in name
+
     results = {"scenarios": [], "micro": {}, "not_supported": NOT_SUPPORTED, "machine": machine.describe()}
     print(machine.line(results["machine"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="creditflow-bench-") as workdir:
         for name, load_opts, broker_opts in SCENARIOS:
-            if args.only and args.only not in name:
+            if not wanted(name):
                 continue
             r = run_scenario(name, load_opts, broker_opts, args.runs, args.seconds, workdir)
             results["scenarios"].append(r)
@@ -286,7 +290,7 @@ def run_bench(args) -> int:
         ratio = on["deliver_rate"]["median"] / off["deliver_rate"]["median"]
         results["credit_on_off_ratio"] = ratio
         print(f"{'credit on / credit off (deliver rate)':<40} {ratio:.2f}")
-    if not args.only or "tracing" in args.only:
+    if wanted("tracing") or "tracing" in args.only:
         with tempfile.TemporaryDirectory(prefix="creditflow-bench-") as workdir:
             t = results["tracing"] = measure_tracing_overhead(args.runs, args.seconds, workdir)
         print(f"{'telemetry on / off, 100 B (deliver)':<40} {t['median_on']:,.0f} / {t['median_off']:,.0f} msg/s: "
@@ -295,13 +299,16 @@ def run_bench(args) -> int:
         print(f"{'telemetry on / off, CPU per message':<40} {t['cpu_median_on']:.2f} / {t['cpu_median_off']:.2f} µs: "
               f"overhead {100 * t['cpu_overhead']:.1f}%", flush=True)
     for name, name_batch in (("ring, batches of 64", 64), ("ring, one at a time", 1)):
-        results["micro"][name] = micro_ring(name_batch)
-        print(f"{name:<40} {results['micro'][name]:,.0f} records/s (write + read)")
-    results["micro"]["credit core send+ack"] = micro_credit()
-    print(f"{'credit core send+ack':<40} {results['micro']['credit core send+ack']:,.0f} messages/s")
-    results["micro"]["frame codec, publishes parsed"] = micro_codec()
-    print(f"{'frame codec, publishes parsed':<40} {results['micro']['frame codec, publishes parsed']:,.0f} /s")
-    if not args.only or "alarm" in args.only:
+        if wanted(name):
+            results["micro"][name] = micro_ring(name_batch)
+            print(f"{name:<40} {results['micro'][name]:,.0f} records/s (write + read)")
+    if wanted("credit core send+ack"):
+        results["micro"]["credit core send+ack"] = micro_credit()
+        print(f"{'credit core send+ack':<40} {results['micro']['credit core send+ack']:,.0f} messages/s")
+    if wanted("frame codec, publishes parsed"):
+        results["micro"]["frame codec, publishes parsed"] = micro_codec()
+        print(f"{'frame codec, publishes parsed':<40} {results['micro']['frame codec, publishes parsed']:,.0f} /s")
+    if wanted("alarm") or "alarm" in args.only:
         results["alarm_reaction"] = measure_alarm_reaction(args.tries)
         a = results["alarm_reaction"]
         print(f"{'alarm: set-watermark 0 -> reader stops':<40} p50 {a['stop_p50_ms']:.1f} ms, p99 {a['stop_p99_ms']:.1f} ms")

@@ -430,7 +430,8 @@ def build_parser() -> Parser:
     bench.add_argument("--runs", type=pos_int, default=3)
     bench.add_argument("--seconds", type=pos_int, default=10, help="seconds per scenario run (default 10)")
     bench.add_argument("--tries", type=pos_int, default=20, help="alarm reaction tries (default 20)")
-    bench.add_argument("--only", default=None, help="run only scenarios whose name contains this")
+    bench.add_argument("--only", default=None,
+                       help="run only what has this in its name: scenarios, micro-benchmarks, 'tracing', 'alarm'")
     bench.add_argument("--json", default=None, metavar="FILE")
 
     sub._parser_class = IntermixedParser

@@ -45,15 +45,20 @@ def test_what_it_cannot_read_is_said_to_be_unknown(tmp_path):
 @pytest.mark.processes
 @pytest.mark.timeout(120)
 def test_creditflow_bench_prints_the_machine_first_and_keeps_it_in_its_json(tmp_path):
+    """``--only`` picks a micro-benchmark by name as it picks scenarios: here the credit core's alone."""
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "--only", "no scenario has this name",
-                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=110)
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "--only", "credit core", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
-    first = proc.stdout.splitlines()[0]
-    kept = json.loads(out.read_text())["machine"]
+    first, *rest = proc.stdout.splitlines()
+    results = json.loads(out.read_text())
+    kept = results["machine"]
     assert first == machine.line(kept)
     assert kept["cpus"] == os.cpu_count()
     congestion = "/proc/sys/net/ipv4/tcp_congestion_control"
     if os.path.exists(congestion):
         with open(congestion) as f:
             assert f"TCP congestion control {f.read().strip()}," in first
+    assert len(rest) == 1 and rest[0].startswith("credit core send+ack") and rest[0].endswith("messages/s")
+    assert list(results["micro"]) == ["credit core send+ack"] and results["scenarios"] == []
+    assert "alarm_reaction" not in results and "tracing" not in results
