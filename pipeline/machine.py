@@ -4,7 +4,8 @@ Rates on one 2-core machine differ from another's by more than any change to the
 delivered 120,300 msg/s of 100 B on one machine and 51,350 on another, and on a machine whose TCP
 congestion control is BBR, which paces sends even on loopback, 64 KiB messages moved 7-18% slower
 through creditflow than under CUBIC (3 alternated runs; RabbitMQ gained too: README *Side by side with
-RabbitMQ*). So ``creditflow bench`` and ``scripts/bench_vs_rabbitmq`` say which machine they ran on.
+RabbitMQ*). So ``creditflow bench`` and the scripts that measure against RabbitMQ say which machine
+they ran on.
 """
 
 from __future__ import annotations
