@@ -182,7 +182,21 @@ def max_rate_summary(search) -> dict:
                          "publish_backlog": p.publish_backlog, "sustained": p.sustained} for p in search.periods]}
 
 
-def summarize(result, status: dict, config: dict, wall_s: float, search=None, steps=None) -> dict:
+def links_over_run(seen: dict, status: dict) -> dict:
+    """``seen`` with the links of one ``ctl status`` merged in: each link's most ever in flight and
+    messages sent over the run. A stage reports only the links it has open, so a link closed before the
+    last status (a publisher's, once it hung up) keeps what an earlier one showed."""
+    for name, now in status.get("links", {}).items():
+        was = seen.get(name, {})
+        seen[name] = {"max_in_flight": max(was.get("max_in_flight", 0), now.get("max_in_flight", 0)),
+                      "sent": max(was.get("sent", 0), now.get("sent", 0))}
+    return seen
+
+
+def summarize(result, status: dict, config: dict, wall_s: float, search=None, steps=None,
+              links: dict | None = None) -> dict:
+    """The run's summary.json from the load's ``result`` and the broker's last ``status`` (``links``:
+    the links over the whole run, ``links_over_run``; else those ``status`` shows)."""
     processes = {}
     for name, p in status.get("processes", {}).items():
         seconds = p.get("seconds") or {}
@@ -199,8 +213,7 @@ def summarize(result, status: dict, config: dict, wall_s: float, search=None, st
         if p.get("kind") == "reader" and p.get("publishes"):
             first, stop = p.get("first_publish_ns") or 0, p.get("first_stop_ns") or 0
             processes[name]["first_stop_after_first_publish_s"] = round((stop - first) / 1e9, 4) if stop else None
-    links = {name: {"max_in_flight": v.get("max_in_flight", 0), "sent": v.get("sent", 0)}
-             for name, v in status.get("links", {}).items()}
+    links = links if links is not None else links_over_run({}, status)
     alarms = [{"source": src, **{k: v for k, v in a.items() if k not in ("type",)}}
               for src, a in status.get("alarms", {}).items()]
     return {
@@ -422,9 +435,11 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
         tail = LogTail(os.path.join(run_dir, "broker.log"))
         seconds = SecondsLog(run_dir)
         cpu = CpuWindow()
+        links: dict = {}
         with CtlClient(run_dir) as ctl:
             def each_second(rep):
                 status = ctl.request("status")
+                links_over_run(links, status)
                 seconds.write(rep, status)
                 cpu.observe(status, rep.delivered)
                 for line in tail.new_lines():
@@ -445,13 +460,14 @@ def execute(cfg: BrokerConfig, load, *, on_second=None, on_log=None, on_drain=No
             result, steps = run_planned(load, plan, on_step, on_second=each_second, broker=view,
                                         on_drain=each_drain_second, search=search)
             final = ctl.request("status")
+            links_over_run(links, final)
         seconds.close()
         for line in tail.new_lines():
             if on_log is not None:
                 on_log(line)
     finally:
         code = stop_broker(pid, run_dir)
-    summary = summarize(result, final, config, time.monotonic() - started, search, steps)
+    summary = summarize(result, final, config, time.monotonic() - started, search, steps, links)
     summary["broker_cpu"] = cpu.summary()
     summary["broker_exit_code"] = code
     with open(os.path.join(run_dir, "summary.json"), "w") as f:

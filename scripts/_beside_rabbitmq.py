@@ -5,6 +5,7 @@ used inside its publishing window."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import importlib.util
 import multiprocessing
@@ -21,9 +22,18 @@ SETTLE_S = 1.0              # left out at each end of the publishing window when
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` different ports free on ``host`` now (held open together while picked: one at a time, the
+    kernel may hand out the same port twice)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+                 for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def bench_module():

@@ -24,6 +24,7 @@ the test ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -42,9 +43,18 @@ ENV_TARGET = "CREDITFLOW_TEST_RABBITMQ"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` different ports free on ``host`` now (held open together while picked: one at a time, the
+    kernel may hand out the same port twice)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
+                 for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 @dataclass
@@ -99,7 +109,7 @@ class RabbitMQNode:
     def __init__(self):
         import trustme
         self.base = Path(tempfile.mkdtemp(prefix="creditflow-rabbitmq-"))
-        self.port, self.tls_port, dist_port = free_port(), free_port(), free_port()
+        self.port, self.tls_port, dist_port = free_ports(3)
         self.nodename = f"cftest{self.port}@localhost"
         ca = trustme.CA()
         cert = ca.issue_cert("localhost", "127.0.0.1")

@@ -4,10 +4,18 @@ Every broker a test starts runs in its own session (process group) and is
 stopped in the fixture's finalizer, which pytest-timeout's signal method
 still runs when a test times out. At the end of the session nothing started
 here may still run and no ``creditflow-`` entry may remain in /dev/shm.
+
+``./scripts/test`` runs two pytest workers side by side (pytest-xdist). A test
+marked ``alone`` runs with no other test beside it: one that reads or cleans
+what every broker shares (all of /dev/shm), or one whose figures a second
+test's load on the two cores would change. Each worker checks the brokers it
+started; the controller checks /dev/shm once both are done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -253,20 +261,68 @@ def spark():
     session.stop()
 
 
+def _worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 @pytest.fixture(scope="session", autouse=True)
-def no_leftovers():
-    """Fail the session if a broker it started left shared memory behind (a live owner elsewhere is not ours)."""
+def no_leftovers(request):
+    """Fail the session if a broker it started left shared memory behind (its supervisor's pid names it)."""
     before = set(_leftover_shm())
     yield
     for proc in _started:
         kill_group(proc, grace_s=5)
     ours = {str(p.pid) for p in _started}
-    leaked = [n for n in _leftover_shm() if n not in before
-              and (not _owner_alive(n) or re.match(r"^(?:sem\.)?creditflow-(\d+)x", n).group(1) in ours)]
+    leaked = [n for n in _leftover_shm() if n not in before and re.match(r"^(?:sem\.)?creditflow-(\d+)x", n)
+              and re.match(r"^(?:sem\.)?creditflow-(\d+)x", n).group(1) in ours]
+    if not _worker(request.config):       # alone: anything new whose owner is gone is this session's too
+        leaked += [n for n in _leftover_shm() if n not in before and n not in leaked and not _owner_alive(n)]
     if leaked:
         from ipc import shm
         shm.cleanup_stale()
         pytest.fail(f"tests left shared memory behind: {leaked}")
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.stash[_SHM_BEFORE] = set(_leftover_shm())
+
+
+def pytest_sessionfinish(session) -> None:
+    """With workers, the controller's check once every worker has stopped its brokers: no entry new
+    since the start whose owner is gone."""
+    if _worker(session.config) or not getattr(session.config.option, "numprocesses", None):
+        return
+    before = session.config.stash.get(_SHM_BEFORE, set())
+    leaked = [n for n in _leftover_shm() if n not in before and not _owner_alive(n)]
+    if leaked:
+        from ipc import shm
+        shm.cleanup_stale()
+        session.config.get_terminal_writer().line(f"tests left shared memory behind: {leaked}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_SHM_BEFORE = pytest.StashKey[set]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under workers, hold the shared side of a lock all workers open through a test, setup and
+    teardown included, or its exclusive side through one marked ``alone``; a turnstile lets an
+    ``alone`` test in ahead of the tests queued after it. Outermost, so the wait is not part of
+    the test's timeout."""
+    if not _worker(item.config):
+        return (yield)
+    root = item.config._tmp_path_factory.getbasetemp().parent
+    alone = item.get_closest_marker("alone") is not None
+    with contextlib.ExitStack() as held:
+        turnstile = held.enter_context(open(root / "creditflow-turnstile.lock", "a"))
+        tests = held.enter_context(open(root / "creditflow-tests.lock", "a"))
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        return (yield)
 
 
 def _terminated(signum, _frame) -> None:

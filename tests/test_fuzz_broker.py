@@ -45,7 +45,9 @@ import socket
 import struct
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+import concurrent.futures
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pika
@@ -60,7 +62,7 @@ pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.timeout(600)]
 
 INPUTS = int(os.environ.get("CREDITFLOW_FUZZ_INPUTS", "10000"))   # at least 10,000 in CI
 BATCH = 500
-WORKERS = 16
+WORKERS = 32
 REPLY_WAIT_S = 0.2            # how long a connection is watched after its input went out
 SETUP_TIMEOUT_S = 10.0
 SETTLE_S = 30.0
@@ -381,17 +383,38 @@ def hypothesis_examples(strategy, n: int) -> list:
     return out
 
 
-def generate(n: int) -> list[Input]:
-    """``n`` inputs in the proportions of ``SHARES``, shuffled, the same every run: structured frames
-    from hypothesis (some of them mutated), mutated pika sessions and raw bytes from a seeded generator."""
-    rng = random.Random(SEED)
+def counts(n: int) -> dict[tuple[str, str], int]:
     count = {key: round(share * n) for key, share in SHARES.items()}
     count[("pre", "mutant")] += n - sum(count.values())
-    made = [("raw", "header", data) for data in hypothesis_examples(NOT_A_HEADER, count[("raw", "header")])]
+    return count
+
+
+def _examples(which: str, n: int) -> list[bytes]:
+    strategy = NOT_A_HEADER if which == "raw" else frames_input(which)
+    return hypothesis_examples(strategy, n)
+
+
+def structured_examples(n: int, makers: ProcessPoolExecutor) -> dict[str, concurrent.futures.Future]:
+    """Start making the hypothesis examples of ``generate`` (most of its time) on ``makers``, by stage:
+    they are made while the broker is set up."""
+    count = counts(n)
+    return {stage: makers.submit(_examples, stage, count[(stage, "header" if stage == "raw" else "frames")])
+            for stage in ("pre", "open", "raw")}
+
+
+def generate(n: int, structured: dict[str, list[bytes]] | None = None) -> list[Input]:
+    """``n`` inputs in the proportions of ``SHARES``, shuffled, the same every run: structured frames
+    from hypothesis (some of them mutated; ``structured``: made ahead by ``start_structured``), mutated
+    pika sessions and raw bytes from a seeded generator."""
+    rng = random.Random(SEED)
+    count = counts(n)
+    if structured is None:
+        structured = {stage: _examples(stage, count[(stage, "header" if stage == "raw" else "frames")])
+                      for stage in ("pre", "open", "raw")}
+    made = [("raw", "header", data) for data in structured["raw"]]
     for stage in ("pre", "open"):
-        structured = hypothesis_examples(frames_input(stage), count[(stage, "frames")])
-        made += [(stage, "frames", data) for data in structured]
-        made += [(stage, "framed mutant", mutate(split_loosely(rng.choice(structured)), rng))
+        made += [(stage, "frames", data) for data in structured[stage]]
+        made += [(stage, "framed mutant", mutate(split_loosely(rng.choice(structured[stage])), rng))
                  for _ in range(count[(stage, "framed mutant")])]
         session = PRE_SESSION if stage == "pre" else OPEN_SESSION
         made += [(stage, "mutant", mutate(session, rng)) for _ in range(count[(stage, "mutant")])]
@@ -628,23 +651,25 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
     started = time.monotonic()
     pid, port = broker.proc.pid, broker.port
     shm_prefix = f"creditflow-{broker.info['run_id']}"
-    # Hosts start as stages need them and stay: a connection with a channel for each reader host the
-    # pool may start (two per core) and each channel host (one per core), so all of them are running
-    # before the baseline is taken, not counted as a leak later.
-    conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
-             for _ in range(2 * (os.cpu_count() or 1))]
-    channels = [conn.channel() for conn in conns]
-    for name in (*POOL_QUEUES, HEALTH_QUEUE):
-        channels[0].queue_declare(name)
-    for conn in conns:
-        conn.close()
-    pika_round_trip(port, broker, "before any input")
-    _, base = wait_settled(broker, shm_prefix, None)
-    assert base is not None, "the broker never settled after the setup's connections"
-    rss_before_mb = psutil.Process(pid).memory_info().rss / 2 ** 20
-
-    inputs = generate(INPUTS)
-    generated_s = time.monotonic() - started
+    # the hypothesis examples are made in two processes of their own while the broker is set up
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as makers:
+        structured = structured_examples(INPUTS, makers)
+        # Hosts start as stages need them and stay: a connection with a channel for each reader host the
+        # pool may start (two per core) and each channel host (one per core), so all of them are running
+        # before the baseline is taken, not counted as a leak later.
+        conns = [pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", port))
+                 for _ in range(2 * (os.cpu_count() or 1))]
+        channels = [conn.channel() for conn in conns]
+        for name in (*POOL_QUEUES, HEALTH_QUEUE):
+            channels[0].queue_declare(name)
+        for conn in conns:
+            conn.close()
+        pika_round_trip(port, broker, "before any input")
+        _, base = wait_settled(broker, shm_prefix, None)
+        assert base is not None, "the broker never settled after the setup's connections"
+        rss_before_mb = psutil.Process(pid).memory_info().rss / 2 ** 20
+        inputs = generate(INPUTS, {stage: made.result() for stage, made in structured.items()})
+    ready_s = time.monotonic() - started
     assert len(inputs) >= INPUTS
     outcomes: collections.Counter = collections.Counter()
     by_stage: collections.Counter = collections.Counter(item.stage for item in inputs)
@@ -672,7 +697,7 @@ def test_no_malformed_input_stops_the_broker_or_leaks(broker):
     others = {k: v for k, v in sorted(outcomes.items()) if not k.startswith(("connection.close", "channel.close"))}
     print(f"\nfuzz: {len(inputs)} inputs ({by_stage['raw']} in place of the protocol header, {by_stage['pre']} "
           f"before authentication, {by_stage['open']} after the handshake) in {time.monotonic() - started:.0f} s "
-          f"({generated_s:.0f} s generating); connection.close by reply code {closes}; channel.close {channel_closes}; "
+          f"({ready_s:.0f} s setting up and generating); connection.close by reply code {closes}; channel.close {channel_closes}; "
           f"{others}; broker deaths 0; stage processes crashed {len(deaths)} {dict(collections.Counter(deaths))}; "
           f"batches that left new queues {new_queue_batches} (queue processes now {base.queues}); "
           f"supervisor RSS {rss_before_mb:.0f} -> {rss_after_mb:.0f} MiB")

@@ -227,6 +227,17 @@ def test_a_clean_end_is_not_an_error():
     assert b.result([]).errors == ()
 
 
+def test_a_link_closed_before_the_last_status_keeps_its_figures_in_the_summary():
+    from pipeline.runner import links_over_run
+    seen: dict = {}
+    links_over_run(seen, {"links": {"reader-2->channel-2.1": {"max_in_flight": 20, "sent": 900, "in_flight": 3},
+                                    "channel-2.1->reader-2": {"max_in_flight": 4, "sent": 10}}})
+    links_over_run(seen, {"links": {"reader-2->channel-2.1": {"max_in_flight": 18, "sent": 1200}}})
+    links_over_run(seen, {"links": {"channel-2.1->reader-2": {"max_in_flight": 6, "sent": 30}}})   # the publisher hung up
+    assert seen == {"reader-2->channel-2.1": {"max_in_flight": 20, "sent": 1200},
+                    "channel-2.1->reader-2": {"max_in_flight": 6, "sent": 30}}
+
+
 # -- real worker processes against a tiny broker -------------------------------------------------
 class EchoBroker:
     """Just enough AMQP: declares, consume, confirms; every publish goes to its queue's consumer."""

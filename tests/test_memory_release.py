@@ -20,7 +20,8 @@ from pipeline.amqp import frames
 from ipc.errors import WouldBlock
 from pipeline.loadgen.client import AmqpClient
 
-pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.timeout(180)]
+# alone: when the stages trim memory back depends on their idle turns, which a second test's load delays
+pytestmark = [pytest.mark.processes, pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(180)]
 MIB = 1024 * 1024
 QUEUE = "backlog"
 CHECK_EVERY_BYTES = 1 * MIB      # while draining, look at what the queue holds after about this much was read

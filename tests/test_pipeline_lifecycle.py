@@ -45,6 +45,7 @@ def test_a_test_killed_by_its_timeout_leaves_no_process_and_no_shared_memory(tmp
     assert not shm.leftover_names(run_id=run_id)
 
 
+@pytest.mark.alone       # any broker started beside it would clean up the killed run first
 def test_a_run_killed_with_sigkill_is_cleaned_up_by_the_next_start(tmp_path):
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(creditflow_cmd("run", "-z", "30", "--run-dir", str(run_dir), "--plain"),

@@ -81,11 +81,13 @@ def rabbitmq_with_management():
     """A private RabbitMQ node with its management API (scripts/bench_vs_rabbitmq's), where one is installed."""
     import os
 
-    from amqp_targets import free_port
+    from amqp_targets import free_ports
     from conftest import script_module
     if not os.path.exists(RABBITMQ_SERVER):
         pytest.skip("RabbitMQ is not installed here (Debian's rabbitmq-server)")
-    node = script_module("_beside_rabbitmq").bench_module().RabbitMQ(free_port(), management_port=free_port(), dist_port=free_port())
+    port, management_port, dist_port = free_ports(3)
+    node = script_module("_beside_rabbitmq").bench_module().RabbitMQ(port, management_port=management_port,
+                                                                     dist_port=dist_port)
     try:
         yield node
     finally:

@@ -142,6 +142,7 @@ def test_leftover_names_match_the_prefix_only(tmp_path):
     assert shm.leftover_names(str(tmp_path / "missing")) == []
 
 
+@pytest.mark.alone       # a broker started beside it would clean up the dead run first
 def test_cleanup_removes_a_dead_runs_segments_and_semaphores_but_not_a_live_runs(owners, semaphores):
     pid = dead_pid()
     stale, live = owners(f"{pid}xdead"), owners()
