@@ -15,7 +15,7 @@ import multiprocessing
 import time
 
 from pipeline.stress import StressError
-from pipeline.stress.scenarios import Broker, Place, live_stages, wait_stages
+from pipeline.stress.scenarios import Broker, Place, live_stages, steady_stages, wait_stages
 
 CONNECTIONS = 1000              # connections-1000: publishers and consumers, half each
 CLIENT_PROCESSES = 2
@@ -138,7 +138,7 @@ def run_connections_1000(place: Place) -> dict:
     workers = []
     with Broker(place, connection_max=CONNECTIONS + 10) as broker:
         try:
-            before = live_stages(broker.status()) if broker.ctl else None
+            before = steady_stages(broker) if broker.ctl else None
             started = time.monotonic()
             for share in (pairs[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)):
                 mine, theirs = ctx.Pipe()
@@ -193,7 +193,7 @@ def run_queues_1000(place: Place) -> dict:
     counts = {"declared": 0, "bound": 0, "confirmed": 0, "delivered": 0, "left_over": 0}
     errors: list[str] = []
     with Broker(place) as broker:
-        before = live_stages(broker.status()) if broker.ctl else None
+        before = steady_stages(broker) if broker.ctl else None
         a = broker.address
         conn = pika.BlockingConnection(pika.ConnectionParameters(
             a.host, a.port, a.vhost, pika.PlainCredentials(a.user, a.password), blocked_connection_timeout=60))

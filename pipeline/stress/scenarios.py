@@ -36,6 +36,7 @@ from pipeline.supervisor import BrokerConfig
 WATCHDOG = {"memory_limit": "0.6", "disk_limit": "50MB", "strategy": "rss", "memory_interval_ms": 100}
 MIB = 1024 * 1024
 SETTLE_S = 5.0                  # churn: how long the broker may take to end the stages of closed connections
+STEADY_S = 0.5                  # ... and the count before it: unchanged this long
 HUGE_MAX_BYTES = 4 * MIB        # huge-messages: the broker's --max-message-bytes
 CHURN_CYCLES = 150
 FSYNC_DELAY_MS = 300
@@ -161,6 +162,22 @@ def write_json(run_dir: str, name: str, data: dict) -> None:
 
 def live_stages(status: dict) -> int:
     return sum(1 for p in status.get("processes", {}).values() if p.get("alive"))
+
+
+def steady_stages(broker: Broker, timeout_s: float = SETTLE_S) -> int:
+    """Live stages once their count has held for ``STEADY_S``: the broker lists a stage once it has
+    reported, so a count taken straight after a declare could miss the new queue (on a loaded machine)
+    and a churn would then seem to leave one stage behind."""
+    deadline = time.monotonic() + timeout_s
+    n, since = live_stages(broker.status()), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = live_stages(broker.status())
+        if now != n:
+            n, since = now, time.monotonic()
+        elif time.monotonic() - since >= STEADY_S:
+            break
+    return n
 
 
 def wait_stages(broker: Broker, target: int, timeout_s: float = SETTLE_S) -> tuple[int, dict]:
@@ -327,7 +344,7 @@ def _churn(place: Place, what: str, cycle) -> dict:
         setup = broker.client("creditflow-stress churn setup")
         try:
             setup.queue_declare(q, durable=False)
-            before = live_stages(broker.status()) if broker.ctl else None
+            before = steady_stages(broker) if broker.ctl else None
             peak = before
             keeper = broker.client("creditflow-stress churn") if what == "channel" else None
             for i in range(CHURN_CYCLES):
