@@ -813,8 +813,12 @@ class Supervisor:
         return proc
 
     def link_queue_store(self, queue: Proc) -> None:
-        self.make_link(queue.name, "store", flow=not self.cfg.store_credit.disabled, spec=self.cfg.store_credit)
-        self.make_link("store", queue.name, flow=False)
+        # The store's link back to the queue first: each control socket brings attaches in order, so the
+        # store can answer (on_disk) whatever it reads from the queue, and the queue, which re-sends what
+        # a crashed store had not written as soon as its link to the store is attached, hears the answer.
+        # The other way round a write read before the link back was attached went unconfirmed for good.
+        if self.make_link("store", queue.name, flow=False) is not None:
+            self.make_link(queue.name, "store", flow=not self.cfg.store_credit.disabled, spec=self.cfg.store_credit)
 
     def link_channel_queue(self, channel: Proc, queue: str) -> None:
         if channel.state != "running":
