@@ -14,7 +14,6 @@ started; the controller checks /dev/shm once both are done.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import importlib.util
 import json
@@ -304,25 +303,54 @@ def pytest_sessionfinish(session) -> None:
 _SHM_BEFORE = pytest.StashKey[set]()
 
 
+class _Turns:
+    """This worker's hold on the lock the workers share (see pytest_runtest_protocol)."""
+
+    def __init__(self, root: Path):
+        self.turnstile = open(root / "creditflow-turnstile.lock", "a")
+        self.tests = open(root / "creditflow-tests.lock", "a")
+        self.held: int | None = None        # fcntl.LOCK_SH or LOCK_EX while held
+
+    def take(self, mode: int) -> None:
+        if self.held == mode:
+            return
+        self.release()
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.tests, mode)
+            self.held = mode
+        finally:
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self.tests, fcntl.LOCK_UN)
+            self.held = None
+
+
+_TURNS = pytest.StashKey[_Turns]()
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under workers, hold the shared side of a lock all workers open through a test, setup and
-    teardown included, or its exclusive side through one marked ``alone``; a turnstile lets an
-    ``alone`` test in ahead of the tests queued after it. Outermost, so the wait is not part of
-    the test's timeout."""
+    teardown included, or its exclusive side through one marked ``alone`` (kept while the next test of
+    this worker is one too, so that a module of them waits for the other worker once); a turnstile lets
+    an ``alone`` test in ahead of the tests queued after it. The shared side is let go after each test,
+    or a worker running test after test would keep an ``alone`` test waiting. Outermost, so the wait is not part of the
+    test's timeout."""
     if not _worker(item.config):
         return (yield)
-    root = item.config._tmp_path_factory.getbasetemp().parent
+    turns = item.config.stash.get(_TURNS, None)
+    if turns is None:
+        turns = item.config.stash[_TURNS] = _Turns(item.config._tmp_path_factory.getbasetemp().parent)
     alone = item.get_closest_marker("alone") is not None
-    with contextlib.ExitStack() as held:
-        turnstile = held.enter_context(open(root / "creditflow-turnstile.lock", "a"))
-        tests = held.enter_context(open(root / "creditflow-tests.lock", "a"))
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    turns.take(fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    try:
         return (yield)
+    finally:
+        if not alone or nextitem is None or nextitem.get_closest_marker("alone") is None:
+            turns.release()
 
 
 def _terminated(signum, _frame) -> None:
