@@ -24,7 +24,7 @@ the test ends.
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -42,19 +42,18 @@ RABBITMQ_SBIN = Path("/usr/lib/rabbitmq/bin")
 ENV_TARGET = "CREDITFLOW_TEST_RABBITMQ"
 
 
+def _scripts_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+free_ports = _scripts_module("_beside_rabbitmq").free_ports      # n different ports, picked together
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` different ports free on ``host`` now (held open together while picked: one at a time, the
-    kernel may hand out the same port twice)."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET))
-                 for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 @dataclass

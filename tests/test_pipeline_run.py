@@ -143,9 +143,10 @@ def test_the_drain_empties_a_backlog_left_at_the_end_of_the_window(tmp_path):
     """A consumer slower than the publisher leaves a backlog at -z; the drain waits for it."""
     code, out, s = run(tmp_path, "-x", "1", "-y", "1", "-r", "3000", "-s", "100", "-z", "2", "-L", "500")
     assert code == 0, out
-    assert s["published"] == 6000
-    assert s["delivered"] == 6000 and (s["undelivered"], s["lost"], s["rejected"]) == (0, 0, 0)
-    assert s["drain"]["end"] == "delivered" and s["drain"]["seconds"] > 0.5      # 6000 take 3 s at 2000 msg/s
+    # at most 3000 msg/s for 2 s (a publisher short of CPU sends fewer, as PerfTest's would)
+    assert 5000 <= s["published"] <= 6000
+    assert s["delivered"] == s["published"] and (s["undelivered"], s["lost"], s["rejected"]) == (0, 0, 0)
+    assert s["drain"]["end"] == "delivered" and s["drain"]["seconds"] > 0.5      # 5000 take 2.5 s at 2000 msg/s
     assert s["drain"]["publishers"] == {"publisher-0": "closed"}
 
 
