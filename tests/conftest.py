@@ -163,12 +163,18 @@ def _leftover_shm() -> list[str]:
         return []
 
 
-def _owner_alive(name: str) -> bool:
+def _owner(name: str) -> str | None:
+    """The pid (as text) of the supervisor whose run id names a /dev/shm entry."""
     m = re.match(r"^(?:sem\.)?creditflow-(\d+)x", name)
-    if not m:
+    return m.group(1) if m else None
+
+
+def _owner_alive(name: str) -> bool:
+    owner = _owner(name)
+    if owner is None:
         return False
     try:
-        os.kill(int(m.group(1)), 0)
+        os.kill(int(owner), 0)
     except ProcessLookupError:
         return False
     except PermissionError:
@@ -272,8 +278,7 @@ def no_leftovers(request):
     for proc in _started:
         kill_group(proc, grace_s=5)
     ours = {str(p.pid) for p in _started}
-    leaked = [n for n in _leftover_shm() if n not in before and re.match(r"^(?:sem\.)?creditflow-(\d+)x", n)
-              and re.match(r"^(?:sem\.)?creditflow-(\d+)x", n).group(1) in ours]
+    leaked = [n for n in _leftover_shm() if n not in before and _owner(n) in ours]
     if not _worker(request.config):       # alone: anything new whose owner is gone is this session's too
         leaked += [n for n in _leftover_shm() if n not in before and n not in leaked and not _owner_alive(n)]
     if leaked:
@@ -337,8 +342,8 @@ def pytest_runtest_protocol(item, nextitem):
     teardown included, or its exclusive side through one marked ``alone`` (kept while the next test of
     this worker is one too, so that a module of them waits for the other worker once); a turnstile lets
     an ``alone`` test in ahead of the tests queued after it. The shared side is let go after each test,
-    or a worker running test after test would keep an ``alone`` test waiting. Outermost, so the wait is not part of the
-    test's timeout."""
+    or a worker running test after test would keep an ``alone`` test waiting. Outermost, so the wait is
+    not part of the test's timeout."""
     if not _worker(item.config):
         return (yield)
     turns = item.config.stash.get(_TURNS, None)

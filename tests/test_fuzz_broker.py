@@ -389,28 +389,24 @@ def counts(n: int) -> dict[tuple[str, str], int]:
     return count
 
 
-def _examples(which: str, n: int) -> list[bytes]:
-    strategy = NOT_A_HEADER if which == "raw" else frames_input(which)
-    return hypothesis_examples(strategy, n)
+def _examples(stage: str, n: int) -> list[bytes]:
+    if stage == "raw":
+        return hypothesis_examples(NOT_A_HEADER, counts(n)[("raw", "header")])
+    return hypothesis_examples(frames_input(stage), counts(n)[(stage, "frames")])
 
 
 def structured_examples(n: int, makers: ProcessPoolExecutor) -> dict[str, concurrent.futures.Future]:
-    """Start making the hypothesis examples of ``generate`` (most of its time) on ``makers``, by stage:
-    they are made while the broker is set up."""
-    count = counts(n)
-    return {stage: makers.submit(_examples, stage, count[(stage, "header" if stage == "raw" else "frames")])
-            for stage in ("pre", "open", "raw")}
+    """Start making the hypothesis examples of ``generate`` for ``n`` inputs (most of its time) on
+    ``makers``, by stage: they are made while the broker is set up."""
+    return {stage: makers.submit(_examples, stage, n) for stage in ("pre", "open", "raw")}
 
 
-def generate(n: int, structured: dict[str, list[bytes]] | None = None) -> list[Input]:
+def generate(n: int, structured: dict[str, list[bytes]]) -> list[Input]:
     """``n`` inputs in the proportions of ``SHARES``, shuffled, the same every run: structured frames
-    from hypothesis (some of them mutated; ``structured``: made ahead by ``start_structured``), mutated
+    from hypothesis (``structured``, by stage: ``structured_examples``; some of them mutated), mutated
     pika sessions and raw bytes from a seeded generator."""
     rng = random.Random(SEED)
     count = counts(n)
-    if structured is None:
-        structured = {stage: _examples(stage, count[(stage, "header" if stage == "raw" else "frames")])
-                      for stage in ("pre", "open", "raw")}
     made = [("raw", "header", data) for data in structured["raw"]]
     for stage in ("pre", "open"):
         made += [(stage, "frames", data) for data in structured[stage]]
