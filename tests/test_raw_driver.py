@@ -149,3 +149,23 @@ def test_consumer_stall_refuses_bad_options_before_it_starts_anything(args):
                           text=True, timeout=30)
     assert proc.returncode == 2 and proc.stdout == ""
     assert "consumer_stall" in proc.stderr
+
+
+def test_the_sustained_search_runs_credit_off_beside_credit_on_and_passes_a_rate_both_deliver(tmp_path):
+    """``bench_vs_rabbitmq --sustained`` on a creditflow-only row (credit off): a broker with the row's
+    options and one with creditflow's own (credit on) are searched side by side; at 2,000 msg/s both keep up."""
+    from ipc.credit import CreditSpec
+
+    beside = script_module("_beside_rabbitmq")
+    bench = beside.bench_module()
+    bench.SEARCH_STEPS = 1
+    off, on = beside.free_ports(2)
+    found = bench.sustained_search({"size": 100}, 3, str(tmp_path),
+                                   [("creditflow", off, {"credit": CreditSpec(0, 0)}, 2000.0),
+                                    ("credit on", on, {}, 2000.0)])
+    for who in ("creditflow", "credit on"):
+        (tried,) = found[who]["tried"]
+        assert tried["rate"] == 2000 and tried["passed"], found
+        assert found[who]["sustained"] == 2000
+    assert bench.credit_on_rate([{"scenario": "transient 100 B 1->1", "creditflow": {"deliver_rate": {"median": 5.0}}}],
+                                {"size": 100}, bench.SCENARIOS) == 5.0
