@@ -14,9 +14,12 @@ connection was closed the run ends with the broker's reply (exit 1), not
 with a rate counting publishes the broker discarded. A third connection asks
 for the queue's depth (a passive queue.declare) four times a second.
 
-Half-way through and when publishing stops, each publisher and the consumer
-read how many bytes wait in the kernel on both ends of their connections
-(/proc/net/tcp: the broker is on this machine), so a run knows what the broker
+Half-way through and when publishing stops, the driver reads how many bytes
+wait in the kernel on both ends of the publishers' and the consumer's
+connections (/proc/net/tcp: the broker is on this machine; half-way, one read
+for all the publishers, whose bytes sent are kept on a shared board, since
+the kernel's listing costs milliseconds with a few hundred sockets and a read
+in each of a hundred publishers took CPU inside the measured window), so a run knows what the broker
 itself held then: what it had read off the publishers' sockets and not yet
 written to the consumer's, wherever it keeps it (queue, mailboxes, rings,
 unparsed input). With many publishers most of what they "published" is still
@@ -163,13 +166,15 @@ def broker_closed(sock, buf: bytearray) -> str | None:
     return closed_in(buf)
 
 
+def end_key(host: str, port: int) -> str:
+    """How /proc/net/tcp names an IPv4 end."""
+    return f"{int.from_bytes(socket.inet_aton(host), sys.byteorder):08X}:{port:04X}"
+
+
 def loopback_ends(sock) -> tuple[str, str]:
     """How /proc/net/tcp names this end and the peer's of an IPv4 connection (read once: a reset socket
     has no peer name any more)."""
-    def key(addr) -> str:
-        host, port = addr[:2]
-        return f"{int.from_bytes(socket.inet_aton(host), sys.byteorder):08X}:{port:04X}"
-    return key(sock.getsockname()), key(sock.getpeername())
+    return end_key(*sock.getsockname()[:2]), end_key(*sock.getpeername()[:2])
 
 
 def socket_queues(ends: tuple[str, str]) -> dict[str, int]:
@@ -177,28 +182,37 @@ def socket_queues(ends: tuple[str, str]) -> dict[str, int]:
     /proc/net/tcp: what this side wrote and the peer has not read (``to_peer``: our send queue and its
     receive queue), and what the peer wrote and we have not read (``from_peer``). Zeros where the lines
     are not found (a connection already gone)."""
-    mine, theirs = ends
-    out = {"to_peer": 0, "from_peer": 0}
+    return socket_queues_of([ends])[0]
+
+
+def socket_queues_of(ends_list: list[tuple[str, str]]) -> list[dict[str, int]]:
+    """``socket_queues`` of many connections from one read of /proc/net/tcp (the kernel's listing of every
+    socket costs milliseconds with a few hundred of them: read once, not once a connection)."""
+    outs = [{"to_peer": 0, "from_peer": 0} for _ in ends_list]
+    index = {}
+    for out, (mine, theirs) in zip(outs, ends_list):
+        index[(mine, theirs)] = (out, "to_peer", "from_peer")
+        index[(theirs, mine)] = (out, "from_peer", "to_peer")
     try:
         with open("/proc/net/tcp") as f:
             lines = f.readlines()[1:]
     except OSError:
-        return out
+        return outs
     for line in lines:
         fields = line.split()
-        local, remote = fields[1], fields[2]
-        tx, rx = (int(v, 16) for v in fields[4].split(":"))
-        if local == mine and remote == theirs:
-            out["to_peer"] += tx
-            out["from_peer"] += rx
-        elif local == theirs and remote == mine:
-            out["to_peer"] += rx
-            out["from_peer"] += tx
-    return out
+        found = index.get((fields[1], fields[2]))
+        if found is not None:
+            out, tx_key, rx_key = found
+            tx, rx = (int(v, 16) for v in fields[4].split(":"))
+            out[tx_key] += tx
+            out[rx_key] += rx
+    return outs
 
 
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
-              counts, rate: float | None = None) -> None:
+              counts, rate: float | None = None, board=None, index: int = 0) -> None:
+    """``board[BOARD_SLOTS * index:]``: this publisher's local port, bytes of one publish and bytes the
+    kernel has taken so far, kept current for the half-way reading (``taken_by_publishers``)."""
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
@@ -208,6 +222,9 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     one = len(batch) / per                   # bytes of one publish on the wire
     sock = conn.sock
     ends = loopback_ends(sock)
+    at = BOARD_SLOTS * index
+    if board is not None:
+        board[at], board[at + 1] = sock.getsockname()[1], int(one)
     # A send waits at most this long, so a publisher held back by the broker still notices the half-way
     # mark and the stop in time, and counts what the kernel took to the byte.
     sock.settimeout(SEND_WAIT_S)
@@ -219,21 +236,19 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     closed = None
     gap = per / rate if rate else 0.0        # paced: a batch every gap seconds, no catching up after a stall
     due = start
-    mid = (start + stop) / 2
-    taken_mid = None                         # publishes the broker had read off this socket half-way through
     try:
         while True:
             now = time.time()
             if now >= stop:
                 break
-            if taken_mid is None and now >= mid:
-                taken_mid = taken_by_broker(ends, sent_bytes, one)
             if pending:
                 try:
                     n = sock.send(view[len(batch) - pending:])
                 except socket.timeout:
                     continue
                 sent_bytes += n
+                if board is not None:
+                    board[at + 2] = sent_bytes
                 pending -= n
                 if not pending:
                     sent += per
@@ -270,7 +285,7 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
         closed = closed or f"the connection failed: {exc}"
     finally:                                 # reported whatever happened: the run waits for both
         counts.put(("sent", sent, closed))
-        counts.put(("taken", (taken_by_broker(ends, sent_bytes, one), taken_mid or 0)))
+        counts.put(("taken", taken_by_broker(ends, sent_bytes, one)))
         sock.close()
 
 
@@ -278,6 +293,30 @@ def taken_by_broker(ends: tuple[str, str], sent_bytes: int, one: float) -> int:
     """Publishes the broker has read off this connection: what the kernel took from us less what still
     waits in the buffers of either end."""
     return int(max(0, sent_bytes - socket_queues(ends)["to_peer"]) // one)
+
+
+BOARD_SLOTS = 3                              # a publisher's local port, bytes of one publish, bytes sent
+
+
+def taken_by_publishers(board, publishers: int, port: int) -> int:
+    """``taken_by_broker`` summed over every publisher on ``board``, from one read of /proc/net/tcp (a
+    read in each of a hundred publishers, inside the window the figures come from, took CPU from both the
+    broker and the rates). Publishers go on sending meanwhile: each one's bytes sent is the mean of what
+    it showed before and after the read."""
+    before = board[:]
+    ends, at = [], []
+    for i in range(publishers):
+        local = before[BOARD_SLOTS * i]
+        if local:                            # a publisher that has not connected has sent nothing
+            ends.append((end_key("127.0.0.1", local), end_key("127.0.0.1", port)))
+            at.append(BOARD_SLOTS * i)
+    queues = socket_queues_of(ends)
+    after = board[:]
+    taken = 0
+    for j, q in zip(at, queues):
+        sent = (before[j + 2] + after[j + 2]) / 2
+        taken += int(max(0, sent - q["to_peer"]) // before[j + 1])
+    return taken
 
 
 def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts) -> None:
@@ -361,11 +400,15 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     if not ready.wait(30):
         raise SystemExit("raw driver: the consumer did not start")
     each = rate / publishers if rate else None
-    procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts, each))
-              for _ in range(publishers)]
+    board = ctx.RawArray("q", BOARD_SLOTS * publishers)
+    procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts, each,
+                                                  board, i))
+              for i in range(publishers)]
     procs.append(ctx.Process(target=depth_sampler, args=(port, queue, start, stop, counts)))
     for p in procs[1:]:
         p.start()
+    time.sleep(max(0.0, (start + stop) / 2 - time.time()))
+    taken_mid = taken_by_publishers(board, publishers, port)
     got: dict = {}
     closed = []
     for _ in range(2 * len(procs) + 1):     # each publisher and the sampler report twice, the consumer thrice
@@ -386,7 +429,7 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     # What the broker held (read off the publishers' sockets, not yet written to the consumer's; wherever
     # it keeps it: queue, mailboxes, rings, unparsed input) half-way through and when publishing stopped.
     # Each publisher's credit keeps some in flight, so what tells a growing backlog is the difference.
-    (taken_stop, taken_mid), (written_stop, written_mid) = got.get("taken", (0, 0)), got.get("written", (0, 0))
+    taken_stop, (written_stop, written_mid) = got.get("taken", 0), got.get("written", (0, 0))
     held_mid, held = max(0, taken_mid - written_mid), max(0, taken_stop - written_stop)
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,
             "depth_max": got.get("depth_max", 0), "depth_end": got.get("depth_end", 0),

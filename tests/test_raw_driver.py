@@ -6,6 +6,7 @@ import importlib.machinery
 import importlib.util
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -169,3 +170,30 @@ def test_the_sustained_search_runs_credit_off_beside_credit_on_and_passes_a_rate
         assert found[who]["sustained"] == 2000
     assert bench.credit_on_rate([{"scenario": "transient 100 B 1->1", "creditflow": {"deliver_rate": {"median": 5.0}}}],
                                 {"size": 100}, bench.SCENARIOS) == 5.0
+
+
+def test_one_read_of_the_kernel_s_socket_list_gives_each_connection_s_unread_bytes():
+    """The half-way reading of a hundred publishers reads /proc/net/tcp once: each connection's bytes that
+    wait unread, in either direction, are told apart."""
+    import socket
+
+    rd = raw_driver()
+    srv = socket.create_server(("127.0.0.1", 0))
+    pairs = []
+    try:
+        for n in (1000, 2000, 3000):
+            c = socket.create_connection(srv.getsockname())
+            a, _ = srv.accept()
+            pairs.append((c, a))
+            c.sendall(b"x" * n)                  # never read by the other end
+            a.sendall(b"y" * (n // 10))
+        time.sleep(0.2)
+        ends = [rd.loopback_ends(c) for c, _ in pairs]
+        got = rd.socket_queues_of(ends)
+        assert [(q["to_peer"], q["from_peer"]) for q in got] == [(1000, 100), (2000, 200), (3000, 300)]
+        assert rd.socket_queues(ends[1]) == got[1]
+    finally:
+        for c, a in pairs:
+            c.close()
+            a.close()
+        srv.close()
