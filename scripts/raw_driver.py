@@ -223,8 +223,9 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     sock = conn.sock
     ends = loopback_ends(sock)
     at = BOARD_SLOTS * index
-    if board is not None:
-        board[at], board[at + 1] = sock.getsockname()[1], int(one)
+    if board is not None:                    # the port last: a port on the board says the rest is there
+        board[at + 1] = int(one)
+        board[at] = sock.getsockname()[1]
     # A send waits at most this long, so a publisher held back by the broker still notices the half-way
     # mark and the stop in time, and counts what the kernel took to the byte.
     sock.settimeout(SEND_WAIT_S)
