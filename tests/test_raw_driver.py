@@ -118,7 +118,7 @@ def test_bench_vs_rabbitmq_refuses_a_raw_run_too_short_to_read_cpu_before_it_sta
 
 
 @pytest.mark.parametrize("args", [["--sizes", "100,4096", "--rates", "1000"], ["--rates", "fast"],
-                                  ["--seconds", "2"]])
+                                  ["--seconds", "2"], ["--publishers", "0"]])
 def test_cpu_per_message_refuses_bad_options_before_it_starts_anything(args):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "cpu_per_message"), *args], capture_output=True,
                           text=True, timeout=30)
