@@ -172,6 +172,27 @@ def test_the_sustained_search_runs_credit_off_beside_credit_on_and_passes_a_rate
                                 {"size": 100}, bench.SCENARIOS) == 5.0
 
 
+def test_more_publishers_are_told_as_a_share_of_the_fewest_publishers_rate_unpaced_and_sustained():
+    """``bench_vs_rabbitmq --publishers 100,1 --sustained``: the 100 publishers' delivered rate against one
+    publisher's, each broker's own, whatever order the counts came in; none where a figure is a starved
+    consumer's."""
+    bench = script_module("_beside_rabbitmq").bench_module()
+
+    def row(n, ours, theirs, their_overruns=0, sustained=None):
+        r = {"scenario": f"{n} publishers -> 1 queue, 100 B", "publishers": n,
+             "creditflow": {"deliver_rate": {"median": ours}, "runs": 3, "overrun_runs": 0},
+             "rabbitmq": {"deliver_rate": {"median": theirs}, "runs": 3, "overrun_runs": their_overruns}}
+        if sustained:
+            r["sustained"] = {"creditflow": {"sustained": sustained[0]}, "RabbitMQ": {"sustained": sustained[1]}}
+        return r
+
+    rows = bench.against_fewest([row(100, 47004, 15900, 3, (56405, 27475)), row(1, 53433, 45525, 0, (53433, 39834))])
+    assert rows == [("100 publishers, unpaced", "88%", "-"), ("100 publishers, sustained", "106%", "69%")]
+    assert bench.against_fewest([row(1, 53433, 45525), row(10, 60000, 40000)]) == [
+        ("10 publishers, unpaced", "112%", "88%")]
+    assert bench.against_fewest([row(1, 53433, 45525)]) == []
+
+
 def test_one_read_of_the_kernel_s_socket_list_gives_each_connection_s_unread_bytes():
     """The half-way reading of a hundred publishers reads /proc/net/tcp once: each connection's bytes that
     wait unread, in either direction, are told apart."""
