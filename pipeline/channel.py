@@ -264,7 +264,7 @@ class Channel(Stage):
                 msg = wire.decode_control(record)
                 if msg.get("op") == "close":
                     self.close()
-                elif msg.get("op") == "fail" and not self.closing:    # the reader refused an ack's tag
+                elif msg.get("op") == "fail" and not self.closing:    # the reader refused an ack's tag or a message
                     raise ChannelError(msg["code"], msg["text"], msg["class_id"], msg["method_id"])
                 elif msg.get("op") == "permits":
                     self.pass_permits(self.need_queue(msg["queue"].encode("utf-8", "surrogateescape"),

@@ -174,7 +174,7 @@ class Reader(Stage):
         self.tls = isinstance(sock, ssl.SSLSocket)
         self.handshaking = self.tls          # TLS: the handshake runs in this loop, never blocking it
         now = time.monotonic_ns()
-        self.conn = ServerConnection(now_ns=now, **connection)
+        self.conn = ServerConnection(now_ns=now, hold_channel_closes=True, **connection)
         self.throttle = Throttle()
         for reason in alarms:
             self.throttle.set_reason(reason, True)
@@ -527,10 +527,16 @@ class Reader(Stage):
                 slot.out.put(wire.encode_control({"op": "close"}))
             else:
                 self.conn.close_channel_ok(ev.channel)
-        elif isinstance(ev, ChannelError):     # a malformed frame on it: the close is on its way to the client
+        elif isinstance(ev, ChannelError):     # its input broke a rule (a malformed frame, a message too big)
+            # As RabbitMQ's channel: its queues take back what it held before the client hears of the
+            # close, so a channel the client opens next finds it there. The close waits for the process.
             slot = self.channels.get(ev.channel)
-            if slot is not None and slot.out is not None:
-                slot.out.put(wire.encode_control({"op": "close"}))      # its queues take back what it held
+            close = self.conn.held_close(ev.channel)
+            if slot is not None and slot.out is not None and close is not None:
+                slot.out.put(wire.encode_control({"op": "fail", "code": close.reply_code, "text": close.reply_text,
+                                                  "class_id": close.class_id, "method_id": close.method_id}))
+            else:
+                self.conn.send_held_close(ev.channel)
         elif isinstance(ev, ChannelCloseOk):
             slot = self.channels.get(ev.channel)
             if slot is not None and slot.out is not None:
@@ -719,8 +725,9 @@ class Reader(Stage):
             self.conn.close_channel_ok(channel)
             self.drop_channel(channel)
         elif op == "channel_error":
-            self.conn.close_channel(channel, msg["code"], msg["text"], msg.get("class_id", 0),
-                                    msg.get("method_id", 0))
+            if not self.conn.send_held_close(channel):       # the first error's close, once
+                self.conn.close_channel(channel, msg["code"], msg["text"], msg.get("class_id", 0),
+                                        msg.get("method_id", 0))
             if slot is not None and slot.out is not None:
                 slot.out.put(wire.encode_control({"op": "close"}))
                 slot.ready = False
@@ -789,6 +796,7 @@ class Reader(Stage):
         slot = self.by_out_link.pop(link_id, None)
         if slot is not None:          # its channel process is gone: nothing more can go to it
             slot.out = None
+            self.conn.send_held_close(slot.number)      # a close that waited for it goes now
         else:                         # (what it sent before it went has been handled by now)
             slot = next((c for c in self.channels.values() if c.inp is not None and c.inp.link_id == link_id), None)
             if slot is not None:

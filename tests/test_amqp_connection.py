@@ -950,6 +950,38 @@ def test_a_message_over_the_size_limit_closes_only_its_channel():
     assert conn.next_event(0) == ChannelCloseOk(1) and conn.open_channels == frozenset({2})
 
 
+def test_a_held_channel_close_goes_only_when_sent_and_its_frames_are_dropped_meanwhile():
+    """``hold_channel_closes`` (the broker's readers): the 406 for a message too big waits until the channel's
+    process has handed back what it held; the channel's frames are dropped meanwhile, the others go on."""
+    conn = opened(channels=(1, 2), max_message_bytes=100, hold_channel_closes=True)
+    conn.receive_data(frames.encode_publish(1, "", "q", b"\x00\x00", b"x" * 101, 131072)
+                      + frames.encode_publish(1, "", "q", b"\x00\x00", b"dropped", 131072)
+                      + frames.encode_publish(2, "", "q", b"\x00\x00", b"y" * 100, 131072))
+    assert conn.next_event(0) == ChannelError(1, 406, "PRECONDITION_FAILED - message size 101 is larger than "
+                                                      "configured max size 100")
+    held = conn.held_close(1)
+    assert (held.reply_code, held.class_id, held.method_id) == (406, 60, 40)
+    assert conn.next_event(0).body == b"y" * 100 and replies(conn) == []
+    assert conn.channel_state(1) == "server_closing"
+    assert conn.send_held_close(1) and not conn.send_held_close(1)
+    (ch, close), = replies(conn)
+    assert ch == 1 and close.name == "Channel.Close" and close.reply_code == 406
+    conn.receive_data(m(1, commands.Channel.CloseOk()))
+    assert conn.next_event(0) == ChannelCloseOk(1) and conn.open_channels == frozenset({2})
+
+
+def test_a_client_that_closes_a_channel_whose_close_is_held_gets_its_own_close_answered():
+    conn = opened(max_message_bytes=100, hold_channel_closes=True)
+    conn.receive_data(frames.encode_publish(1, "", "q", b"\x00\x00", b"x" * 101, 131072)
+                      + m(1, commands.Channel.Close(reply_code=200, reply_text="bye", class_id=0, method_id=0)))
+    assert isinstance(conn.next_event(0), ChannelError)
+    assert conn.next_event(0) == ChannelClose(1, 200, "bye") and conn.channel_state(1) == "client_closing"
+    assert conn.held_close(1) is None and not conn.send_held_close(1) and replies(conn) == []
+    conn.close_channel_ok(1)
+    (ch, ok), = replies(conn)
+    assert (ch, ok.name) == (1, "Channel.CloseOk") and conn.open_channels == frozenset()
+
+
 def test_server_closes_a_channel_and_waits_for_close_ok():
     conn = opened()
     conn.close_channel(1, 404, "NOT_FOUND - no queue 'x' in vhost '/'", 50, 10)

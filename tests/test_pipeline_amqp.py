@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
 import threading
@@ -231,6 +233,37 @@ def test_an_unknown_delivery_tag_closes_the_channel_naming_the_method_that_carri
     assert (channel, type(close).__name__) == (1, "Close")
     assert (close.reply_code, close.reply_text, (close.class_id, close.method_id)) == \
         (406, "PRECONDITION_FAILED - unknown delivery tag 5", ids)
+
+
+def test_the_406_for_a_message_too_big_waits_until_its_channel_has_handed_back_what_it_held(start_broker):
+    """As RabbitMQ's channel tells its queues before it sends the close: with the channel's process stopped,
+    the client hears nothing of the 406 its reader found; once the process runs, the close comes, and the
+    messages the channel held unacked are ready for the next channel."""
+    broker = start_broker("--max-message-bytes", "1000")
+    conn = connect(broker)
+    try:
+        ch = conn.channel()
+        ch.queue_declare("held")
+        for body in (b"a", b"b"):
+            ch.basic_publish("", "held", body)
+        for _ in range(2):
+            deadline = time.monotonic() + 3
+            while ch.basic_get("held")[0] is None:
+                assert time.monotonic() < deadline
+        channel = broker.process("channel")
+        os.kill(channel["pid"], signal.SIGSTOP)
+        try:
+            ch.basic_publish("", "held", b"x" * 2000)
+            conn.process_data_events(time_limit=1)
+            assert ch.is_open, "the close reached the client before the channel's process had run"
+        finally:
+            os.kill(channel["pid"], signal.SIGCONT)
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker) as exc:
+            ch.basic_get("held")
+        assert exc.value.reply_code == 406
+        assert conn.channel().queue_declare("held", passive=True).method.message_count == 2
+    finally:
+        conn.close()
 
 
 def test_a_message_over_the_size_limit_closes_its_channel_after_its_unacked_messages_went_back(start_broker):

@@ -270,6 +270,7 @@ _CHANNEL_TRANSITIONS: dict[tuple[str | None, str], str | None] = {
     (CH_OPENING, "server_close"): CH_SERVER_CLOSING,
     (CH_OPEN, "server_close"): CH_SERVER_CLOSING,
     (CH_SERVER_CLOSING, "close_ok_received"): None,
+    (CH_SERVER_CLOSING, "client_close_while_held"): CH_CLIENT_CLOSING,    # our close was never sent
 }
 
 
@@ -339,7 +340,8 @@ class ServerConnection:
                  frame_max: int = 131072, channel_max: int = 2047, max_message_bytes: int = 16 * 1024 * 1024,
                  users: Mapping[str, str] = MappingProxyType({"guest": "guest"}), now_ns: int = 0,
                  refuse_open: str | None = None, handshake_timeout_s: float = 10.0,
-                 loopback_users: frozenset = frozenset({"guest"}), peer_is_loopback: bool = True):
+                 loopback_users: frozenset = frozenset({"guest"}), peer_is_loopback: bool = True,
+                 hold_channel_closes: bool = False):
         if frame_max and frame_max < frames.FRAME_MIN_SIZE:
             raise ValueError(f"frame_max {frame_max} is below the protocol minimum {frames.FRAME_MIN_SIZE}")
         self.node_name = node_name
@@ -377,6 +379,11 @@ class ServerConnection:
         self._desynced = False
         self._channels: dict[int, str] = {}
         self._assembly: dict[int, _Assembly] = {}
+        # hold_channel_closes: a channel.close for a channel's own input waits for send_held_close, so the
+        # channel's process can hand back what it held first (RabbitMQ's channel notifies its queues, then
+        # sends the close); the channel drops its frames meanwhile, as after any server close
+        self._hold_closes = hold_channel_closes
+        self._held_closes: dict[int, commands.Channel.Close] = {}
         self._fresh_bytes = False
         self._last_in_ns = now_ns
         self._last_out_ns = now_ns
@@ -480,6 +487,7 @@ class ServerConnection:
         if new is None:
             del self._channels[channel]
             self._assembly.pop(channel, None)
+            self._held_closes.pop(channel, None)
         else:
             self._channels[channel] = new
 
@@ -655,7 +663,8 @@ class ServerConnection:
         return ProtocolError(err.reply_code, err.reply_text)
 
     def _channel_error(self, channel: int, err: AmqpError) -> ChannelError:
-        self.close_channel(channel, err.reply_code, err.reply_text, err.class_id, err.method_id)
+        self.close_channel(channel, err.reply_code, err.reply_text, err.class_id, err.method_id,
+                           hold=self._hold_closes)
         return ChannelError(channel, err.reply_code, err.reply_text)
 
     def _frame(self, ftype: int, channel: int, buf, ps: int, pe: int):
@@ -811,6 +820,11 @@ class ServerConnection:
                 self._advance_channel(channel, "close_ok_received")
                 return ChannelCloseOk(channel)
             if k == _CHANNEL_CLOSE:
+                if self._held_closes.pop(channel, None) is not None:
+                    # the client closes first, not knowing of ours: its close, answered as any other
+                    self._advance_channel(channel, "client_close_while_held")
+                    method = frames.decode_method(buf, ps, pe)
+                    return ChannelClose(channel, method.reply_code, method.reply_text)
                 self._method(channel, commands.Channel.CloseOk())
             return None
         if state == CH_CLIENT_CLOSING:
@@ -983,14 +997,32 @@ class ServerConnection:
             self._method(channel, commands.Channel.CloseOk())
 
     def close_channel(self, channel: int, reply_code: int, reply_text: str, class_id: int = 0,
-                      method_id: int = 0) -> None:
-        """Server-initiated channel.close; frames on the channel are dropped until the client's close-ok."""
+                      method_id: int = 0, *, hold: bool = False) -> None:
+        """Server-initiated channel.close; frames on the channel are dropped until the client's close-ok.
+        ``hold``: the close frame itself waits for ``send_held_close``."""
         if self.state != "open" or self._channels.get(channel) not in (CH_OPEN, CH_OPENING):
             return
         self._advance_channel(channel, "server_close")
         self._assembly.pop(channel, None)
-        self._method(channel, commands.Channel.Close(reply_code=reply_code, reply_text=_clip(reply_text),
-                                                     class_id=class_id, method_id=method_id))
+        close = commands.Channel.Close(reply_code=reply_code, reply_text=_clip(reply_text), class_id=class_id,
+                                       method_id=method_id)
+        if hold:
+            self._held_closes[channel] = close
+        else:
+            self._method(channel, close)
+
+    def held_close(self, channel: int) -> commands.Channel.Close | None:
+        """The channel.close held for ``channel`` (see ``hold_channel_closes``), if any."""
+        return self._held_closes.get(channel)
+
+    def send_held_close(self, channel: int) -> bool:
+        """Send the channel.close held for ``channel``; False when none was held."""
+        close = self._held_closes.pop(channel, None)
+        if close is None:
+            return False
+        if self.state == "open" and self._channels.get(channel) == CH_SERVER_CLOSING:
+            self._method(channel, close)
+        return True
 
     def send_close_ok(self) -> None:
         """Answer the client's connection.close, once what its channels still had to say is queued
