@@ -9,7 +9,7 @@ shell does the I/O those actions need:
 * deliveries go to the consumer's reader over a ring that carries no credit,
   bounded by the ring's space and ``DELIVERY_WINDOW`` (the ``room`` it gives
   the core), or ``LEND_IN_FLIGHT`` while the queue holds bodies by reference;
-* persistent messages in a durable queue are journaled (``pipeline.journal``);
+* persistent messages in a durable queue are journaled (``pipeline.storage.journal``);
   those of ``QUEUE_INDEX_EMBED_MSGS_BELOW`` bytes or more are also written to
   the message store under store credit (``msg_store_credit_disc_bound``);
   their publishers are confirmed once the journal's fsync (and the store's)
@@ -50,7 +50,8 @@ from pipeline.broker.consumer_bias import ConsumerBias
 from pipeline.broker.definitions import not_found_queue
 from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, PageFile, Paged
 from pipeline.broker.routing import RoutingTable
-from pipeline.journal import QueueJournal, read_store_bodies
+from pipeline.storage.journal import QueueJournal
+from pipeline.storage.segments import read_bodies
 from pipeline.stage import Stage, read_batch_for
 from pipeline.telemetry.schema import CONSUMER_DETAILS_KEPT, ConsumerDetail, QueueStats
 
@@ -379,7 +380,7 @@ class Queue(Stage):
     def recover(self, store_dir: str | None) -> list[Message]:
         """The backlog's messages from the journal (and the store's files for the bodies kept there)."""
         entries = self.journal.recover()
-        bodies = read_store_bodies(store_dir or "", {sid for _, _, sid, _ in entries if sid is not None})
+        bodies = read_bodies(store_dir or "", {sid for _, _, sid, _ in entries if sid is not None})
         out = []
         for msg_id, flags, store_id, content in entries:
             if store_id is not None:

@@ -11,7 +11,7 @@ import pytest
 from pipeline.storage.errors import CorruptSegment, StoreClosed, UnknownMessage
 from pipeline.storage.record import encode_record, record_size, scan
 from pipeline.storage.segments import (FILE_SIZE_LIMIT_BYTES, LARGE_MESSAGE_BYTES, SYNC_INTERVAL_MS, SegmentStore,
-                                       recover)
+                                       read_bodies, recover)
 
 BODY_BYTES = 1000
 RECORD_BYTES = record_size(BODY_BYTES)          # 1025
@@ -294,6 +294,18 @@ def test_a_compaction_cut_short_leaves_two_copies_and_recovery_keeps_one(tmp_pat
         store.compact()
         assert sorted(os.listdir(tmp_path)) == ["1.rdq"]
         assert store.read(mid(1)) == b"same"
+
+
+def test_bodies_read_without_a_store_are_the_wanted_ones_whole_and_the_later_copy(tmp_path):
+    # what a durable queue recovering before the store runs reads: a compaction's two copies of message 1
+    # (the later one wins, as recovery's), message 3 torn off the end of file 1, message 2 not wanted
+    (tmp_path / "0.rdq").write_bytes(encode_record(mid(1), b"old") + encode_record(mid(2), b"two"))
+    torn = encode_record(mid(3), b"three")
+    (tmp_path / "1.rdq").write_bytes(encode_record(mid(1), b"new") + torn[:-1])
+    (tmp_path / "notes.txt").write_bytes(b"not a segment")
+    assert read_bodies(str(tmp_path), {mid(1), mid(3)}) == {mid(1): b"new"}
+    assert read_bodies(str(tmp_path), set()) == {}
+    assert read_bodies(str(tmp_path / "missing"), {mid(1)}) == {}
 
 
 def test_a_closed_store_refuses_work(store):

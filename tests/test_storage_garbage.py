@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from conftest import ROOT, creditflow_cmd, kill_group
-from pipeline.journal import QueueJournal, held_store_ids
+from pipeline.storage.journal import QueueJournal, held_store_ids
 from pipeline.storage.record import scan
 from pipeline.storage.segments import SegmentStore
 

@@ -4,7 +4,10 @@
   scanner; pure, no I/O.
 - ``segments``: the shared store's numbered ``N.rdq`` files: buffered
   appends, the timed fsync policy, roll-over, refcounts, compaction and
-  recovery. The store process drives it.
+  recovery, and ``read_bodies`` for a queue recovering before the store runs.
+  The store process drives it.
+- ``journal``: a durable queue's ``N.jnl`` files: its persistent messages
+  and their acks, group-committed by the queue, recovered in order.
 - ``errors``: what can go wrong, and who caused it.
 
 The fsync policy's constants (RabbitMQ's defaults)::

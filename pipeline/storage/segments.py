@@ -551,3 +551,18 @@ def recover(directory: str, *, held: Mapping[bytes, int] | None = None,
     store = SegmentStore(directory, file_size_limit_bytes=file_size_limit_bytes, fsync_delay_ms=fsync_delay_ms)
     store.adopt(held)
     return store, store.locations()
+
+
+def read_bodies(directory: str, wanted: set[bytes]) -> dict[bytes, bytes]:
+    """The bodies of the ``wanted`` ids found in ``directory``'s files, read without a store (a durable
+    queue recovering before the store process runs); where a compaction left two copies, the later."""
+    found: dict[bytes, bytes] = {}
+    if not wanted or not os.path.isdir(directory):
+        return found
+    for number in numbered_files(directory, SEGMENT_SUFFIX):
+        with open(os.path.join(directory, f"{number}{SEGMENT_SUFFIX}"), "rb") as f:
+            data = f.read()
+        for _off, msg_id, start, length in scan(data).records:
+            if msg_id in wanted:
+                found[msg_id] = data[start:start + length]
+    return found

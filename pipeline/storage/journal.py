@@ -32,6 +32,7 @@ import os
 import struct
 
 from pipeline.storage.record import HEADER_BYTES, MSG_ID_BYTES, encode_record, scan
+from pipeline.storage.segments import numbered_files
 
 FILE_SIZE_LIMIT_BYTES = 16 * 1024 * 1024
 NO_STORE_ID = bytes(16)
@@ -48,7 +49,7 @@ class QueueJournal:
         self.dir = directory
         self.limit = file_size_limit_bytes
         os.makedirs(directory, exist_ok=True)
-        numbers = sorted(int(n[:-4]) for n in os.listdir(directory) if n.endswith(".jnl") and n[:-4].isdigit())
+        numbers = numbered_files(directory, ".jnl")
         self.current = numbers[-1] + 1 if numbers else 0
         self.fh = self._open_current()
         self.offset = 0
@@ -204,7 +205,7 @@ class QueueJournal:
         """(message number, flags, store id or None, content) of every message not acked, in order."""
         live: dict[int, tuple[int, bytes | None, bytes]] = {}
         where: dict[int, int] = {}
-        numbers = sorted(int(f[:-4]) for f in os.listdir(self.dir) if f.endswith(".jnl") and f[:-4].isdigit())
+        numbers = numbered_files(self.dir, ".jnl")
         for n in numbers:
             with open(os.path.join(self.dir, f"{n}.jnl"), "rb") as f:
                 data = f.read()
@@ -241,17 +242,3 @@ def held_store_ids(queues_dir: str) -> dict[bytes, int]:
             if store_id is not None:
                 held[store_id] = held.get(store_id, 0) + 1
     return held
-
-
-def read_store_bodies(store_dir: str, wanted: set[bytes]) -> dict[bytes, bytes]:
-    """Bodies of ``wanted`` store ids, read from the message store's segment files."""
-    found: dict[bytes, bytes] = {}
-    if not wanted or not os.path.isdir(store_dir):
-        return found
-    for n in sorted(int(f[:-4]) for f in os.listdir(store_dir) if f.endswith(".rdq") and f[:-4].isdigit()):
-        with open(os.path.join(store_dir, f"{n}.rdq"), "rb") as f:
-            data = f.read()
-        for _off, rid, start, length in scan(data).records:
-            if rid in wanted:
-                found[rid] = data[start:start + length]
-    return found
