@@ -63,6 +63,7 @@ from pipeline.host import Host, build_stage
 from pipeline.stage import keep_heap_mapped
 from pipeline.management import views as management_views
 from pipeline.management.histogram import LatencyHistogram
+from pipeline.management.writes import properties_key
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -1114,6 +1115,11 @@ class Supervisor:
 
     def replay_declares(self, name: str) -> None:
         for chan, msg in self.after_deletion.pop(name, []):
+            if chan is None:                    # the management API's, answered on its ctl connection
+                reply = self.ctl_declare_queue(msg["client"], msg["req"])
+                if reply is not None:
+                    self.ctl.reply(msg["client"], reply)
+                continue
             # only to the channel that asked, still open: not to a later channel of the same name, and no
             # queue for a connection that has closed meanwhile (its exclusive queues are gone already)
             if self.procs.get(chan.name) is chan and chan.state == "running":
@@ -1241,6 +1247,10 @@ class Supervisor:
             return self.close_connection(req.get("name"), req.get("reason"))
         if cmd in ("delete_queue", "purge_queue"):
             return self.ctl_queue_op(client, cmd, req)
+        if cmd == "declare_queue":
+            return self.ctl_declare_queue(client, req)
+        if cmd == "exchange":
+            return self.ctl_exchange_op(req)
         if cmd == "list_vhost_limits":
             return {"ok": True, "limits": self.defs.limits}
         if cmd == "stop":
@@ -1303,6 +1313,68 @@ class Supervisor:
         self.next_request += 1
         self.purges[self.next_request] = (name, client)
         self.tell(proc, {"type": "purge", "req": self.next_request})
+        return None
+
+    def ctl_declare_queue(self, client, req: dict) -> dict | None:
+        """queue.declare as the management API makes it (``PUT /api/queues``): owned by no connection,
+        never exclusive; ``created`` says whether it was made now. One being deleted is declared (and
+        answered) once it is gone, as a channel's declare is."""
+        name = req.get("queue")
+        if not isinstance(name, str):
+            return {"ok": False, "error": "declare_queue needs a queue name"}
+        qdef = self.defs.queues.get(name)
+        if qdef.deleting if qdef is not None else f"queue-{name}" in self.procs:
+            self.after_deletion.setdefault(name, []).append((None, {"client": client, "req": req}))
+            return None
+        try:
+            qdef, made = self.defs.declare_queue(
+                name, durable=bool(req.get("durable")), exclusive=False, auto_delete=bool(req.get("auto_delete")),
+                arguments=arguments_from_json(req.get("arguments")), owner=None, passive=False)
+        except (AmqpError, QueueError) as exc:
+            return {"ok": False, "code": exc.reply_code, "error": exc.reply_text}
+        if made:
+            if self.start_queue(qdef) is None:
+                self.defs.remove_queue(name)
+                self.defs.routing.take_changes()
+                return {"ok": False, "code": 541, "error": f"INTERNAL_ERROR - cannot start a process for queue '{name}'"}
+            self.broadcast_routing()
+            if qdef.durable:
+                self.save_definitions()
+        return {"ok": True, "created": made}
+
+    def ctl_exchange_op(self, req: dict) -> dict:
+        """exchange.declare/delete and the bindings, as the management API makes them (no connection's):
+        a declare says whether it made the exchange (``created``), a delete of none is 404."""
+        op, name = req.get("op"), req.get("exchange")
+        before = self.defs.routing.lookup(name) if op in ("declare", "delete") and isinstance(name, str) else None
+        if op == "delete" and before is None:
+            return {"ok": False, "code": 404, "error": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
+        if op == "unbind_key":                  # DELETE /api/bindings/...: the binding its properties key names
+            found = self.binding_by_key(req.get("source"), req.get("destination"), req.get("to_exchange") is True,
+                                        req.get("properties_key"))
+            if found is None:
+                source, destination = req.get("source"), req.get("destination")
+                if (source == "" and req.get("to_exchange") is not True and destination in self.defs.queues
+                        and req.get("properties_key") == properties_key(destination, None)):
+                    # a queue's binding to the default exchange, which nobody may remove (as RabbitMQ)
+                    return {"ok": False, "code": 403, "error": "ACCESS_REFUSED - operation not permitted on the "
+                                                               "default exchange"}
+                return {"ok": False, "code": 404, "error": "NOT_FOUND - no such binding"}
+            req = {"op": "unbind_exchange" if found.to_exchange else "unbind", "source": found.source,
+                   "exchange": found.source, "destination": found.destination, "queue": found.destination,
+                   "routing_key": found.routing_key, "arguments": arguments_to_json(found.arguments)}
+        reply = self.exchange_op({**req, "owner": None})
+        if not reply["ok"]:
+            return {"ok": False, "code": reply["code"], "error": reply["text"]}
+        return {**reply, "created": op == "declare" and before is None}
+
+    def binding_by_key(self, source, destination, to_exchange: bool, key):
+        """The binding from ``source`` to ``destination`` whose management API properties key is ``key``."""
+        for b in self.defs.routing.bindings():
+            if (b.to_exchange == to_exchange and _text_fields(b.source) == source
+                    and _text_fields(b.destination) == destination
+                    and properties_key(_text_fields(b.routing_key), _text_fields(b.arguments)) == key):
+                return b
         return None
 
     def on_purge_answer(self, msg: dict) -> None:

@@ -51,7 +51,11 @@ def test_other_methods_are_405_with_the_paths_allow_list_before_any_login():
     app = App(FakeBroker(), {"guest": "guest"})
     for method, path, allow in (("POST", "/api/connections", "HEAD, GET, OPTIONS"),
                                 ("PUT", "/api/connections/c", "HEAD, GET, DELETE, OPTIONS"),
-                                ("PATCH", "/api/queues/%2F/q", "HEAD, GET, DELETE, OPTIONS"),
+                                ("PATCH", "/api/queues/%2F/q", "HEAD, GET, PUT, DELETE, OPTIONS"),
+                                ("POST", "/api/exchanges/%2F/x", "HEAD, GET, PUT, DELETE, OPTIONS"),
+                                ("PUT", "/api/bindings/%2F/e/x/q/q", "HEAD, GET, POST, OPTIONS"),
+                                ("POST", "/api/bindings/%2F/e/x/e/y/k", "HEAD, GET, DELETE, OPTIONS"),
+                                ("POST", "/api/bindings/%2F/e/x/z/q", "HEAD, GET, OPTIONS"),
                                 ("GET", "/api/queues/%2F/q/contents", "DELETE, OPTIONS"),
                                 ("HEAD", "/api/vhost-limits", "GET, OPTIONS"),
                                 ("DELETE", "/api/vhost-limits/%2F", "GET, OPTIONS"),
@@ -124,6 +128,91 @@ def test_queue_refusals_become_rabbitmqs_404_or_400_with_the_text_after_the_amqp
         400, {"error": "bad_request", "reason": "queue 'q' in vhost '/' not empty"})
     broker.replies["purge_queue"] = {"ok": False, "code": 404, "error": "NOT_FOUND - no queue 'q' in vhost '/'"}
     assert handle(app, "DELETE", "/api/queues/%2F/q/contents")[::2] == (404, NOT_FOUND)
+
+
+def test_declares_reach_the_broker_with_rabbitmqs_defaults_and_are_answered_201_or_204():
+    broker = FakeBroker(declare_queue={"ok": True, "created": True}, exchange={"ok": True, "created": False})
+    app = App(broker, {"guest": "guest"})
+    assert handle(app, "PUT", "/api/queues/%2F/q", b"") == (201, {}, b"")      # no body, no Content-Type
+    assert handle(app, "PUT", "/api/queues/%2F/q2", b'{"durable": "true", "auto_delete": false, "exclusive": true, '
+                                                    b'"arguments": {"x-max-length": 10, "t": {"a": [1]}}}')[0] == 201
+    assert handle(app, "PUT", "/api/queues/%2F/q3", b'{"arguments": []}')[0] == 201
+    assert handle(app, "PUT", "/api/exchanges/%2F/x", b"{}") == (204, {}, b"")   # there already
+    assert handle(app, "PUT", "/api/exchanges/%2F/t", b'{"type": "topic", "internal": "false", "durable": true, '
+                                                       b'"arguments": {"alternate-exchange": "ae"}}')[0] == 204
+    assert handle(app, "DELETE", "/api/exchanges/%2F/x?if-unused=true") == (204, {}, b"")
+    assert broker.asked == [
+        ("declare_queue", {"queue": "q", "durable": False, "auto_delete": False, "arguments": {}}),
+        ("declare_queue", {"queue": "q2", "durable": True, "auto_delete": False,     # exclusive: ignored
+                           "arguments": {"x-max-length": 10, "t": {"F": [["a", [1]]]}}}),
+        ("declare_queue", {"queue": "q3", "durable": False, "auto_delete": False, "arguments": {}}),
+        ("exchange", {"op": "declare", "exchange": "x", "kind": "direct", "durable": False, "auto_delete": False,
+                      "internal": False, "arguments": {}}),
+        ("exchange", {"op": "declare", "exchange": "t", "kind": "topic", "durable": True, "auto_delete": False,
+                      "internal": False, "arguments": {"alternate-exchange": "ae"}}),
+        ("exchange", {"op": "delete", "exchange": "x", "if_unused": True})]
+
+
+def test_bad_declare_bodies_are_refused_as_rabbitmq_refuses_them_before_reaching_the_broker():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    for path in ("/api/queues/%2F/q", "/api/exchanges/%2F/x"):
+        for body, reason in ((b"nope", "not_json"), (b"[1]", "not_json"), (b'"x"', "not_json"),
+                             (b'{"durable": "yes"}', ["not_boolean", "yes"]), (b'{"durable": 1}', ["not_boolean", 1]),
+                             (b'{"auto_delete": null}', ["not_boolean", None])):
+            assert handle(app, "PUT", path, body)[::2] == (400, {"error": "bad_request", "reason": reason}), (path, body)
+        assert handle(app, "PUT", path.replace("%2F", "other"), b"{}")[::2] == (
+            404, {"error": "not_found", "reason": "vhost_not_found"})
+    assert handle(app, "POST", "/api/bindings/%2F/e/x/q/q", b"[]")[::2] == (
+        400, {"error": "bad_request", "reason": "not_json"})
+    assert handle(app, "POST", "/api/bindings/other/e/x/q/q", b"{}")[::2] == (
+        404, {"error": "not_found", "reason": "vhost_not_found"})
+    assert handle(app, "DELETE", "/api/exchanges/other/x")[::2] == (404, NOT_FOUND)
+    assert broker.asked == []
+
+
+def test_refused_declares_are_rabbitmqs_400_401_and_404():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    broker.replies["declare_queue"] = {"ok": False, "code": 406, "error": (
+        "PRECONDITION_FAILED - inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current "
+        "is 'false'")}
+    assert handle(app, "PUT", "/api/queues/%2F/q", b'{"durable": true}')[::2] == (400, {
+        "error": "bad_request",
+        "reason": "inequivalent arg 'durable' for queue 'q' in vhost '/': received 'true' but current is 'false'"})
+    broker.replies["declare_queue"] = {"ok": False, "code": 403, "error": "ACCESS_REFUSED - queue name 'amq.q' "
+                                                                          "contains reserved prefix 'amq.*'"}
+    assert handle(app, "PUT", "/api/queues/%2F/amq.q", b"{}")[::2] == (
+        401, {"error": "not_authorised", "reason": "Access refused."})
+    broker.replies["exchange"] = {"ok": False, "code": 404, "error": "NOT_FOUND - no exchange 'nope' in vhost '/'"}
+    assert handle(app, "POST", "/api/bindings/%2F/e/nope/q/q", b"{}")[::2] == (
+        404, {"error": "not_found", "reason": "no exchange 'nope' in vhost '/'"})
+    assert handle(app, "DELETE", "/api/exchanges/%2F/nope")[::2] == (404, NOT_FOUND)
+    assert handle(app, "DELETE", "/api/bindings/%2F/e/x/q/q/k")[::2] == (404, NOT_FOUND)
+
+
+def test_a_binding_is_made_at_its_properties_key_and_deleted_by_it():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    code, headers, _ = handle(app, "POST", "/api/bindings/%2F/e/x/q/q%20one", b'{"routing_key": "k 2/x"}')
+    assert (code, headers) == (201, {"Location": "q%20one/k%2B2%252Fx"})
+    code, headers, _ = handle(app, "POST", "/api/bindings/%2F/e/amq.default/e/y", b'{"arguments": {"a": 1}}')
+    key = writes.properties_key("", {"a": 1})
+    assert (code, headers["Location"]) == (201, "y/" + key) and key.startswith("~") and len(key) == 7
+    assert handle(app, "POST", "/api/bindings/%2F/e/x/q/q", b"")[1] == {"Location": "q/~"}
+    assert handle(app, "DELETE", "/api/bindings/%2F/e/x/q/q/k%2B2%252Fx")[0] == 204
+    assert broker.asked == [
+        ("exchange", {"op": "bind", "exchange": "x", "queue": "q one", "routing_key": "k 2/x", "arguments": {}}),
+        ("exchange", {"op": "bind_exchange", "source": "", "destination": "y", "routing_key": "",   # amq.default
+                      "arguments": {"a": 1}}),
+        ("exchange", {"op": "bind", "exchange": "x", "queue": "q", "routing_key": "", "arguments": {}}),
+        ("exchange", {"op": "unbind_key", "source": "x", "destination": "q", "to_exchange": False,
+                      "properties_key": "k+2%2Fx"})]
+    assert writes.properties_key("k1", {}) == "k1" and writes.properties_key("", None) == "~"
+    assert writes.properties_key("a#b~c!d(e)f'g-h_i", None) == "a%23b%7Ec%21d%28e%29f%27g-h_i"   # RabbitMQ's
+    assert writes.properties_key("é+%", None) == "%C3%A9%2B%25"
+    assert writes.properties_key("k", {"a": 1, "b": 2}) == writes.properties_key("k", {"b": 2, "a": 1})
+    assert writes.properties_key("k", {"a": 1}) != writes.properties_key("k", {"a": 2})
 
 
 def test_values_are_printed_as_erlang_prints_them():
@@ -295,7 +384,7 @@ RABBITMQADMIN = "/usr/bin/rabbitmqadmin"
 @pytest.mark.processes
 @pytest.mark.skipif(not os.path.exists(RABBITMQADMIN),
                     reason="rabbitmqadmin is not installed (Debian's rabbitmq-server ships it)")
-def test_rabbitmqadmin_closes_connections_purges_deletes_and_sets_limits(start_broker):
+def test_rabbitmqadmin_declares_closes_connections_purges_deletes_and_sets_limits(start_broker):
     """RabbitMQ's own command-line client, unchanged, against the management port."""
     import pika
     broker = start_broker()
@@ -321,9 +410,126 @@ def test_rabbitmqadmin_closes_connections_purges_deletes_and_sets_limits(start_b
         assert admin("delete", "vhost_limit", "vhost=/", "name=max-queues").returncode == 0
         assert json.loads(admin("-f", "raw_json", "list", "vhost_limits").stdout) == []
 
+        assert admin("declare", "queue", "name=adm.q", "durable=true").stdout.strip() == "queue declared"
+        assert admin("declare", "queue", "name=adm.q", "durable=true").stdout.strip() == "queue declared"
+        differs = admin("declare", "queue", "name=adm.q", "durable=false")
+        assert differs.returncode == 1 and ("inequivalent arg 'durable' for queue 'adm.q' in vhost '/': received "
+                                            "'false' but current is 'true'") in differs.stdout + differs.stderr
+        assert admin("declare", "exchange", "name=adm.x", "type=fanout").stdout.strip() == "exchange declared"
+        assert admin("declare", "binding", "source=adm.x", "destination=adm.q", "routing_key=rk"
+                     ).stdout.strip() == "binding declared"
+        ch.basic_publish("adm.x", "anything", b"fanned")
+        assert ch.queue_declare("adm.q", durable=True, passive=True).method.message_count == 1
+        listed = [line.split("\t") for line in admin("-f", "tsv", "list", "bindings", "source", "destination",
+                                                      "properties_key").stdout.splitlines()]
+        assert ["adm.x", "adm.q", "rk"] in listed
+        assert admin("delete", "binding", "source=adm.x", "destination_type=queue", "destination=adm.q",
+                     "properties_key=rk").stdout.strip() == "binding deleted"
+        assert admin("delete", "exchange", "name=adm.x").stdout.strip() == "exchange deleted"
+        gone = admin("delete", "exchange", "name=adm.x")
+        assert gone.returncode == 1 and "Not found: /api/exchanges/%2F/adm.x" in gone.stderr
+        assert admin("delete", "queue", "name=adm.q").stdout.strip() == "queue deleted"
+
         name = wait_until(lambda: call(port, "GET", "/api/connections")[2], what="the connection listed")[0]["name"]
         assert admin("close", "connection", f"name={name}").stdout.strip() == "connection closed"
         assert closed_by_broker(conn) == (320, "CONNECTION_FORCED - Closed via management plugin")
     finally:
         if conn.is_open:
             conn.close()
+
+
+@pytest.mark.processes
+def test_a_topology_declared_over_http_carries_messages_and_comes_down_again(start_broker):
+    """Queues, exchanges and bindings made over HTTP route pika's publishes as AMQP-declared ones do; the
+    bindings listed at their properties keys are deleted by them; the codes are RabbitMQ 3.10.8's."""
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    assert call(port, "PUT", "/api/queues/%2F/orders", {"durable": True, "arguments": {"x-max-length": 2}})[0] == 201
+    assert call(port, "PUT", "/api/queues/%2F/orders", {"durable": True, "arguments": {"x-max-length": 2}})[0] == 204
+    assert call(port, "PUT", "/api/queues/%2F/orders", {"durable": False})[::2] == (400, {
+        "error": "bad_request",
+        "reason": "inequivalent arg 'durable' for queue 'orders' in vhost '/': received 'false' but current is 'true'"})
+    assert call(port, "PUT", "/api/queues/%2F/audit", {})[0] == 201
+    assert call(port, "PUT", "/api/exchanges/%2F/shop", {"type": "topic", "durable": True})[0] == 201
+    assert call(port, "PUT", "/api/exchanges/%2F/fan", {"type": "fanout"})[0] == 201
+    assert call(port, "PUT", "/api/exchanges/%2F/fan", {"type": "direct"})[::2] == (400, {
+        "error": "bad_request",
+        "reason": "inequivalent arg 'type' for exchange 'fan' in vhost '/': received 'direct' but current is 'fanout'"})
+    code, headers, _ = call(port, "POST", "/api/bindings/%2F/e/shop/q/orders", {"routing_key": "order.*"})
+    assert (code, headers["location"]) == (201, "orders/order.%252A")     # as RabbitMQ quotes it
+    assert call(port, "POST", "/api/bindings/%2F/e/shop/e/fan", {"routing_key": "#"})[0] == 201
+    code, headers, _ = call(port, "POST", "/api/bindings/%2F/e/fan/q/audit", {"arguments": {"why": "all"}})
+    assert code == 201
+    audit_key = headers["location"].split("/", 1)[1]
+    assert call(port, "POST", "/api/bindings/%2F/e/nope/q/audit", {})[::2] == (
+        404, {"error": "not_found", "reason": "no exchange 'nope' in vhost '/'"})
+
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    try:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for i in range(3):
+            ch.basic_publish("shop", "order.new", f"o{i}".encode())
+        assert ch.queue_declare("orders", durable=True, arguments={"x-max-length": 2}, passive=True
+                                ).method.message_count == 2          # the HTTP-given limit holds
+        assert ch.queue_declare("audit", passive=True).method.message_count == 3   # through shop -> fan -> audit
+
+        listed = call(port, "GET", "/api/bindings/%2F/e/fan/q/audit")[2]
+        assert [(b["routing_key"], b["arguments"], b["properties_key"]) for b in listed] == [
+            ("", {"why": "all"}, writes.properties_key("", {"why": "all"}))]
+        assert call(port, "GET", "/api/bindings/%2F/e/fan/q/audit/" + quote(listed[0]["properties_key"], safe="~")
+                    )[::2] == (200, listed[0])
+        assert call(port, "DELETE", "/api/bindings/%2F/e/fan/q/audit/" + audit_key)[0] == 204
+        assert call(port, "DELETE", "/api/bindings/%2F/e/fan/q/audit/" + audit_key)[::2] == (404, NOT_FOUND)
+        ch.basic_publish("shop", "order.new", b"after")
+        assert ch.queue_declare("audit", passive=True).method.message_count == 3   # no longer bound
+
+        assert call(port, "DELETE", "/api/bindings/%2F/e/amq.default/q/audit/audit")[::2] == (
+            401, {"error": "not_authorised", "reason": "Access refused."})      # the implicit one
+        assert call(port, "DELETE", "/api/bindings/%2F/e/amq.default/q/audit/other")[::2] == (404, NOT_FOUND)
+        assert call(port, "GET", "/api/bindings/%2F/e/amq.default/q/audit")[2] == [
+            {"source": "", "vhost": "/", "destination": "audit", "destination_type": "queue", "routing_key": "audit",
+             "arguments": {}, "properties_key": "audit"}]
+        assert call(port, "GET", "/api/exchanges/%2F/shop")[2]["type"] == "topic"
+        assert call(port, "DELETE", "/api/exchanges/%2F/shop")[0] == 204
+        assert call(port, "DELETE", "/api/exchanges/%2F/shop")[::2] == (404, NOT_FOUND)
+        assert call(port, "DELETE", "/api/exchanges/%2F/amq.topic")[::2] == (
+            401, {"error": "not_authorised", "reason": "Access refused."})
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="404.*no exchange 'shop'"):
+            ch.basic_publish("shop", "order.new", b"gone")
+            conn.process_data_events(0.2)
+    finally:
+        if conn.is_open:
+            conn.close()
+    assert "orders" in json.loads((broker.data_dir / "definitions.json").read_text())["queues"]   # durable: kept
+
+
+@pytest.mark.processes
+def test_a_queue_declared_over_http_while_its_namesake_is_being_deleted_is_made_once_that_one_is_gone(start_broker):
+    """The deletion waits for the queue's process (stopped here); the PUT that comes meanwhile is answered
+    only after it, with a new queue (201), as a channel's queue.declare is."""
+    import signal
+    import threading
+    broker = start_broker()
+    port = broker.info["management_port"]
+    assert call(port, "PUT", "/api/queues/%2F/slow", {})[0] == 201
+    queue = broker.wait_for(lambda s: s["processes"].get("queue-slow", {}).get("alive"), what="the queue's process")
+    pid = queue["processes"]["queue-slow"]["pid"]
+    answers: dict = {}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deleting = threading.Thread(target=lambda: answers.update(delete=call(port, "DELETE", "/api/queues/%2F/slow")))
+        deleting.start()
+        time.sleep(1.0)            # the DELETE reaches the supervisor, which asks the stopped process
+        declaring = threading.Thread(target=lambda: answers.update(
+            declare=call(port, "PUT", "/api/queues/%2F/slow", {"durable": True})))
+        declaring.start()
+        time.sleep(1.0)
+        assert answers == {}, "answered while the queue's process was stopped"
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deleting.join(15)
+    declaring.join(15)
+    assert answers["delete"][0] == 204 and answers["declare"][0] == 201
+    assert call(port, "GET", "/api/queues/%2F/slow")[2]["durable"] is True

@@ -13,11 +13,12 @@ only its own thread here. One status serves every request for
 Paths: ``/api/overview``, ``/api/nodes``, ``/api/connections``, ``/api/channels``,
 ``/api/queues[/VHOST[/NAME]]``, ``/api/consumers``, ``/api/health/checks/alarms``,
 ``/api/health/checks/local-alarms``, ``/api/whoami``, ``/api/vhosts``,
-``/api/exchanges``, ``/api/bindings``, ``/api/vhost-limits[/VHOST]``,
+``/api/exchanges[/VHOST[/NAME]]``, ``/api/bindings[/VHOST[/e/SOURCE/q|e/DESTINATION[/PROPERTIES_KEY]]]``,
+``/api/vhost-limits[/VHOST]``,
 ``/api/creditflow/processes``, ``/api/creditflow/links`` (HTTP basic auth with
 the broker's users; ``?columns=a,b.c`` as RabbitMQ's), and ``/metrics``
 (``/metrics/per-object`` alike; no auth, as RabbitMQ's prometheus plugin).
-The write calls (PUT and DELETE, same auth; ``pipeline.management.writes``)
+The write calls (PUT, POST and DELETE, same auth; ``pipeline.management.writes``)
 are ctl requests too, each on a ctl connection of its own, so a queue that
 takes a moment to answer its deletion holds up no reader of the status.
 """
@@ -153,24 +154,67 @@ class App:
                     return 401, answer, b""
                 return 401, {**answer, "Content-Type": JSON}, _json({"error": "not_authorized",
                                                                    "reason": "Login failed"})
-            if method in ("PUT", "DELETE"):
-                code, body = self.write(method, parts[1:], parse_qs(query), headers, body)
+            extra: dict = {}
+            if method in ("PUT", "DELETE", "POST"):
+                code, body, extra = self.write(method, parts[1:], parse_qs(query), headers, body)
             else:
                 code, body = self.api(parts[1:], user)
         except BrokerUnavailable as exc:
             return 503, {"Content-Type": JSON}, _json({"error": "broker_unavailable", "reason": str(exc)})
         except writes.UnsupportedMediaType:
             return 415, {}, b""
-        if code == 204:
-            return 204, {}, b""
+        if code in (201, 204) and body is None:
+            return code, extra, b""
         if code == 200:
             columns = parse_qs(query).get("columns")
             if columns:
                 body = select_columns(body, [c for c in ",".join(columns).split(",") if c])
         return code, {"Content-Type": JSON, "Cache-Control": "no-cache"}, _json(body)
 
-    def write(self, method: str, parts: list[str], query: dict, headers, body: bytes) -> tuple[int, object]:
-        """PUT and DELETE (``writes.allowed`` let only those through that a path takes)."""
+    def write(self, method: str, parts: list[str], query: dict, headers, body: bytes) -> tuple[int, object, dict]:
+        """PUT, POST and DELETE (``writes.allowed`` let only those through that a path takes): (status, body,
+        headers to add)."""
+        try:
+            if parts[0] == "exchanges" or parts[0] == "bindings" or (parts[0] == "queues" and method == "PUT"):
+                return self.declare(method, parts, query, body)
+        except writes.BadRequest as exc:
+            return 400, {"error": "bad_request", "reason": exc.reason}, {}
+        return (*self.change(method, parts, query, headers, body), {})
+
+    def declare(self, method: str, parts: list[str], query: dict, body: bytes) -> tuple[int, object, dict]:
+        """Queues, exchanges and bindings made and removed over HTTP (``writes``)."""
+        if parts[1] != VHOST:
+            return (404, writes.VHOST_NOT_FOUND if method != "DELETE" else NOT_FOUND, {})
+        if parts[0] == "queues":
+            reply = self.source.command("declare_queue", queue=parts[2], **writes.queue_declare(body))
+        elif parts[0] == "exchanges":
+            name = writes.exchange_name(parts[2])
+            if method == "PUT":
+                reply = self.source.command("exchange", op="declare", exchange=name, **writes.exchange_declare(body))
+            else:
+                reply = self.source.command("exchange", op="delete", exchange=name,
+                                            if_unused=writes.flag(query, "if-unused"))
+        else:
+            source, to_exchange = writes.exchange_name(parts[3]), parts[4] == "e"
+            destination = writes.exchange_name(parts[5]) if to_exchange else parts[5]
+            if method == "DELETE":
+                reply = self.source.command("exchange", op="unbind_key", source=source, destination=destination,
+                                            to_exchange=to_exchange, properties_key=parts[6])
+            else:
+                fields, key = writes.binding(body)
+                names = ({"source": source, "destination": destination} if to_exchange
+                         else {"exchange": source, "queue": destination})
+                reply = self.source.command("exchange", op="bind_exchange" if to_exchange else "bind",
+                                            **names, **fields)
+                if reply.get("ok"):
+                    return 201, None, {"Location": writes.binding_location(parts[5], key)}
+        if not reply.get("ok"):
+            code, answer = writes.refusal(reply, missing=NOT_FOUND if method == "DELETE" else None)
+            return code, answer, {}
+        return (201 if reply.get("created") else 204), None, {}
+
+    def change(self, method: str, parts: list[str], query: dict, headers, body: bytes) -> tuple[int, object]:
+        """Connections closed, vhost limits set, queues deleted and purged."""
         if parts[0] == "connections":
             reason = headers.get("X-Reason")
             if reason is not None:          # http.server read the header as latin-1: undo that
@@ -231,11 +275,28 @@ class App:
             return 200, [c for c in views.consumers() if len(parts) == 1 or c["queue"]["vhost"] == parts[1]]
         if parts in (["health", "checks", "alarms"], ["health", "checks", "local-alarms"]):
             return views.health_alarms("cluster" if parts[2] == "alarms" else "node")
-        if parts[:1] in (["exchanges"], ["bindings"]) and len(parts) <= 2:
-            topology = self.source.topology()
-            rows = (exchanges_view(topology) if parts[0] == "exchanges"
-                    else bindings_view(topology, [q["name"] for q in views.queues()]))
-            return 200, [r for r in rows if len(parts) == 1 or r["vhost"] == parts[1]]
+        if parts[:1] == ["exchanges"] and len(parts) <= 3:
+            rows = [r for r in exchanges_view(self.source.topology()) if len(parts) == 1 or r["vhost"] == parts[1]]
+            if len(parts) == 3:
+                found = [r for r in rows if r["name"] == writes.exchange_name(parts[2])]
+                # one exchange comes with its message rates by where they came from and went (RabbitMQ's
+                # "incoming" and "outgoing"): none are kept per exchange here, as in RabbitMQ's basic mode
+                return (200, {**found[0], "incoming": [], "outgoing": []}) if found else (404, NOT_FOUND)
+            return 200, rows
+        if parts[:1] == ["bindings"] and (len(parts) <= 2 or len(parts) in (6, 7) and parts[2] == "e"):
+            rows = [r for r in bindings_view(self.source.topology(), [q["name"] for q in views.queues()])
+                    if len(parts) == 1 or r["vhost"] == parts[1]]
+            if len(parts) <= 2:
+                return 200, rows
+            if parts[1] != VHOST:
+                return 404, NOT_FOUND
+            kind = "exchange" if parts[4] == "e" else "queue" if parts[4] == "q" else None
+            rows = [r for r in rows if r["source"] == writes.exchange_name(parts[3]) and r["destination_type"] == kind
+                    and r["destination"] == (writes.exchange_name(parts[5]) if kind == "exchange" else parts[5])]
+            if len(parts) == 7:
+                found = [r for r in rows if r["properties_key"] == parts[6]]
+                return (200, found[0]) if found else (404, NOT_FOUND)
+            return 200, rows
         if parts == ["creditflow", "processes"]:
             return 200, views.processes_view()
         if parts == ["creditflow", "links"]:

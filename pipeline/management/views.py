@@ -30,6 +30,7 @@ import collections
 import dataclasses
 import json
 
+from pipeline.management.writes import properties_key
 from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, ReaderStats, SchemaMismatch, Snapshot,
                                        WatchdogStats, stats_of)
 
@@ -593,10 +594,11 @@ def bindings_view(topology: dict, queues) -> list[dict]:
     """``/api/bindings``: each queue's binding to the default exchange (implicit, as RabbitMQ lists it),
     then every exchange-to-queue and exchange-to-exchange binding."""
     rows = [{"source": "", "vhost": VHOST, "destination": q, "destination_type": "queue", "routing_key": q,
-             "arguments": {}, "properties_key": q} for q in sorted(queues)]
+             "arguments": {}, "properties_key": properties_key(q, None)} for q in sorted(queues)]
     for b in topology.get("bindings") or []:
         key = _text(b["routing_key"])
+        args = b.get("arguments") or {}
         rows.append({"source": _text(b["source"]), "vhost": VHOST, "destination": _text(b["destination"]),
                      "destination_type": "exchange" if b["to_exchange"] else "queue", "routing_key": key,
-                     "arguments": b.get("arguments") or {}, "properties_key": key or "~"})
+                     "arguments": args, "properties_key": properties_key(key, args)})
     return rows

@@ -12,7 +12,25 @@ with it). The write calls, each turned into a ctl request by ``server``:
 - ``DELETE /api/queues/%2F/NAME`` (``?if-empty=true``, ``?if-unused=true``):
   ctl ``delete_queue``; ``DELETE /api/queues/%2F/NAME/contents``: ctl ``purge_queue``.
 
-Each answers 204 with no body once the broker took it. A refusal from the
+- ``PUT /api/queues/%2F/NAME`` with ``{"durable", "auto_delete", "arguments"}`` (all optional;
+  ``exclusive`` is ignored, as RabbitMQ ignores it here): ctl ``declare_queue``;
+- ``PUT /api/exchanges/%2F/NAME`` with ``{"type" (direct), "durable", "auto_delete", "internal",
+  "arguments"}``: ctl ``exchange`` declare; ``DELETE`` (``?if-unused=true``): ctl ``exchange`` delete;
+- ``POST /api/bindings/%2F/e/SOURCE/q/QUEUE`` (or ``/e/DESTINATION``) with ``{"routing_key",
+  "arguments"}``: ctl ``exchange`` bind, answered 201 with a ``Location`` of the binding's
+  *properties key* (``properties_key``); ``DELETE`` of ``.../PROPERTIES_KEY`` unbinds it.
+
+A declare answers 201 when it made the queue or exchange, 204 when one equal to it was there; a
+binding 201 either way. Booleans may come as JSON booleans or the strings ``"true"``/``"false"``
+(anything else is 400 ``["not_boolean", value]``); an empty body is ``{}``; a body that is not a
+JSON object is 400 ``not_json``. Names under ``amq.`` (and the default exchange, ``amq.default``)
+are refused 401 ``not_authorised``, as RabbitMQ refuses them. A binding's properties key is its
+routing key, URL-quoted, then ``~`` and a hash of its arguments when it has any: RabbitMQ's hash is
+Erlang's ``phash2`` of the arguments as terms, so the six characters after ``~`` differ from
+RabbitMQ's for the same arguments (a client that takes them from the ``Location`` or from
+``GET /api/bindings`` finds the same binding either way).
+
+Each other call answers 204 with no body once the broker took it. A refusal from the
 broker is an AMQP reply code and text: 404 is RabbitMQ's ``Object Not
 Found``, any other is 400 ``bad_request`` with the text after its ``NAME -``
 prefix, as RabbitMQ's management plugin reports the error of the
@@ -24,19 +42,29 @@ it is 404 ``vhost_not_found`` as for PUT.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+from urllib.parse import quote, quote_plus
 
 from pipeline.broker.definitions import VHOST_LIMITS
 
 VHOST = "/"
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
 VHOST_NOT_FOUND = {"error": "not_found", "reason": "vhost_not_found"}
+ACCESS_REFUSED = {"error": "not_authorised", "reason": "Access refused."}
+DEFAULT_EXCHANGE = "amq.default"     # how the API names the exchange named ""
 FORCED_REASON = "Closed via management plugin"      # RabbitMQ's text when no X-Reason header came
 READ = ("HEAD", "GET", "OPTIONS")
 ANY = "*"                        # any one path segment
 ALLOW: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (     # (path, its methods); any other path: READ
     (("api", "connections", ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
-    (("api", "queues", ANY, ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
+    (("api", "queues", ANY, ANY), ("HEAD", "GET", "PUT", "DELETE", "OPTIONS")),
+    (("api", "exchanges", ANY, ANY), ("HEAD", "GET", "PUT", "DELETE", "OPTIONS")),
+    (("api", "bindings", ANY, "e", ANY, "q", ANY), ("HEAD", "GET", "POST", "OPTIONS")),
+    (("api", "bindings", ANY, "e", ANY, "e", ANY), ("HEAD", "GET", "POST", "OPTIONS")),
+    (("api", "bindings", ANY, "e", ANY, "q", ANY, ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
+    (("api", "bindings", ANY, "e", ANY, "e", ANY, ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
     (("api", "queues", ANY, ANY, "contents"), ("DELETE", "OPTIONS")),
     (("api", "vhost-limits"), ("GET", "OPTIONS")),
     (("api", "vhost-limits", ANY), ("GET", "OPTIONS")),
@@ -59,7 +87,12 @@ def vhost_limits_view(limits: dict) -> list[dict]:
 
 
 class BadRequest(ValueError):
-    """Raised when a request's body is not what the call takes (400 ``bad_request`` with this reason)."""
+    """Raised when a request's body is not what the call takes (400 ``bad_request`` with this reason: a
+    text, or a JSON list where RabbitMQ gives one)."""
+
+    def __init__(self, reason) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class UnsupportedMediaType(ValueError):
@@ -116,13 +149,17 @@ def erlang_term(value) -> str:
 
 
 # -- the broker's answers ---------------------------------------------------------------------------------------
-def refusal(reply: dict) -> tuple[int, dict]:
-    """(HTTP status, body) for a ctl reply that refused a write (``code``: an AMQP reply code)."""
-    if reply.get("code") == 404:
-        return 404, NOT_FOUND
+def refusal(reply: dict, missing: dict | None = NOT_FOUND) -> tuple[int, dict]:
+    """(HTTP status, body) for a ctl reply that refused a write (``code``: an AMQP reply code). A 404 is
+    ``missing``, or (None) ``not_found`` with the broker's reason, as a binding to nothing is answered;
+    403 ACCESS_REFUSED is 401 ``not_authorised``."""
     text = str(reply.get("error") or "")
     name, sep, rest = text.partition(" - ")
     reason = rest if sep and name.isupper() else text
+    if reply.get("code") == 404:
+        return 404, missing if missing is not None else {"error": "not_found", "reason": reason}
+    if reply.get("code") == 403:
+        return 401, ACCESS_REFUSED
     return 400, {"error": "bad_request", "reason": reason}
 
 
@@ -130,3 +167,88 @@ def flag(query: dict, name: str) -> bool:
     """``?if-empty=true``: only the exact text ``true`` turns a flag on, and the first of repeated
     ones counts, as RabbitMQ reads it."""
     return query.get(name, [""])[0] == "true"
+
+
+# -- declaring: queues, exchanges, bindings -----------------------------------------------------------------------
+def body_object(body: bytes) -> dict:
+    """A declare's body: ``{}`` when empty, else a JSON object (400 ``not_json`` otherwise)."""
+    if not body.strip():
+        return {}
+    try:
+        data = json.loads(body)
+    except ValueError:
+        raise BadRequest("not_json") from None
+    if not isinstance(data, dict):
+        raise BadRequest("not_json")
+    return data
+
+
+def boolean(data: dict, name: str) -> bool:
+    """A flag of a declare's body: false when absent; true, false, "true" or "false" as RabbitMQ takes them."""
+    value = data.get(name, False)
+    if value in ("true", "false"):
+        return value == "true"
+    if not isinstance(value, bool):
+        raise BadRequest(["not_boolean", value])
+    return value
+
+
+def arguments(data: dict) -> dict:
+    """A declare's ``arguments`` as the broker keeps them (an empty list, as RabbitMQ takes it, is none);
+    a table inside is tagged as the broker's definitions tag one."""
+    value = data.get("arguments") or {}
+    if not isinstance(value, dict):
+        raise BadRequest("not_json")
+    return {str(k): _field(v) for k, v in value.items()}
+
+
+def _field(value):
+    if isinstance(value, dict):
+        return {"F": [[str(k), _field(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [_field(v) for v in value]
+    return value
+
+
+def queue_declare(body: bytes) -> dict:
+    """The ctl ``declare_queue`` request's fields for ``PUT /api/queues/%2F/NAME``."""
+    data = body_object(body)
+    return {"durable": boolean(data, "durable"), "auto_delete": boolean(data, "auto_delete"),
+            "arguments": arguments(data)}
+
+
+def exchange_declare(body: bytes) -> dict:
+    """The ctl ``exchange`` declare's fields for ``PUT /api/exchanges/%2F/NAME`` (type direct if none)."""
+    data = body_object(body)
+    kind = data.get("type", "direct")
+    return {"kind": kind if isinstance(kind, str) else json.dumps(kind), "durable": boolean(data, "durable"),
+            "auto_delete": boolean(data, "auto_delete"), "internal": boolean(data, "internal"),
+            "arguments": arguments(data)}
+
+
+def binding(body: bytes) -> tuple[dict, str]:
+    """The ctl ``exchange`` bind's routing key and arguments for ``POST /api/bindings/...`` (a key that is
+    not text is its JSON), and the properties key of the binding it makes."""
+    data = body_object(body)
+    key = data.get("routing_key", "")
+    key = key if isinstance(key, str) else json.dumps(key)
+    return {"routing_key": key, "arguments": arguments(data)}, properties_key(key, data.get("arguments") or None)
+
+
+def exchange_name(name: str) -> str:
+    """An exchange as the API names it: ``amq.default`` is the default exchange, ``""``."""
+    return "" if name == DEFAULT_EXCHANGE else name
+
+
+def properties_key(routing_key: str, args: dict | None) -> str:
+    """What names one binding between a source and a destination in the API's paths."""
+    key = quote_plus(routing_key, safe="").replace("~", "%7E")       # a literal ~ only ahead of the hash
+    if not args:
+        return key or "~"
+    canonical = json.dumps(args, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return key + "~" + base64.urlsafe_b64encode(hashlib.sha1(canonical).digest()[:4]).decode().rstrip("=")
+
+
+def binding_location(destination: str, key: str) -> str:
+    """The ``Location`` of a binding just made: relative, as RabbitMQ's (``DESTINATION/PROPERTIES_KEY``)."""
+    return quote(destination, safe="") + "/" + quote(key, safe="~")
