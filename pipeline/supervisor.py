@@ -1116,9 +1116,10 @@ class Supervisor:
     def replay_declares(self, name: str) -> None:
         for chan, msg in self.after_deletion.pop(name, []):
             if chan is None:                    # the management API's, answered on its ctl connection
-                reply = self.ctl_declare_queue(msg["client"], msg["req"])
-                if reply is not None:
-                    self.ctl.reply(msg["client"], reply)
+                if msg["client"].open:          # not for a client that gave up waiting
+                    reply = self.ctl_declare_queue(msg["client"], msg["req"])
+                    if reply is not None:
+                        self.ctl.reply(msg["client"], reply)
                 continue
             # only to the channel that asked, still open: not to a later channel of the same name, and no
             # queue for a connection that has closed meanwhile (its exclusive queues are gone already)
@@ -1217,7 +1218,8 @@ class Supervisor:
         if cmd == "topology":           # the management API's exchanges and bindings
             routing = self.defs.routing
             return {"ok": True, "exchanges": [_text_fields(dataclasses.asdict(x)) for x in routing.exchanges()],
-                    "bindings": [_text_fields(dataclasses.asdict(b)) for b in routing.bindings()]}
+                    "bindings": [{**_text_fields(dataclasses.asdict(b)), "properties_key": binding_key(b)}
+                                 for b in routing.bindings()]}
         if cmd in ("set_watermark", "set_disk_free_limit"):
             wd = self.procs.get("watchdog")
             if wd is None or wd.state != "running":
@@ -1315,13 +1317,25 @@ class Supervisor:
         self.tell(proc, {"type": "purge", "req": self.next_request})
         return None
 
+    @staticmethod
+    def bad_request(req: dict, texts: tuple, tables: tuple = ("arguments",)) -> dict | None:
+        """A refusal when a ctl request's ``texts`` are not strings or its ``tables`` not objects."""
+        for name in texts:
+            if not isinstance(req.get(name), str):
+                return {"ok": False, "error": f"{req.get('cmd')} needs {name} as a string"}
+        for name in tables:
+            if not isinstance(req.get(name) or {}, dict):
+                return {"ok": False, "error": f"{req.get('cmd')} needs {name} as an object"}
+        return None
+
     def ctl_declare_queue(self, client, req: dict) -> dict | None:
         """queue.declare as the management API makes it (``PUT /api/queues``): owned by no connection,
         never exclusive; ``created`` says whether it was made now. One being deleted is declared (and
         answered) once it is gone, as a channel's declare is."""
-        name = req.get("queue")
-        if not isinstance(name, str):
-            return {"ok": False, "error": "declare_queue needs a queue name"}
+        refused = self.bad_request(req, ("queue",))
+        if refused is not None:
+            return refused
+        name = req["queue"]
         qdef = self.defs.queues.get(name)
         if qdef.deleting if qdef is not None else f"queue-{name}" in self.procs:
             self.after_deletion.setdefault(name, []).append((None, {"client": client, "req": req}))
@@ -1332,6 +1346,8 @@ class Supervisor:
                 arguments=arguments_from_json(req.get("arguments")), owner=None, passive=False)
         except (AmqpError, QueueError) as exc:
             return {"ok": False, "code": exc.reply_code, "error": exc.reply_text}
+        except (TypeError, ValueError, ArithmeticError) as exc:        # arguments that are no field values
+            return {"ok": False, "error": f"declare_queue: bad arguments: {exc}"}
         if made:
             if self.start_queue(qdef) is None:
                 self.defs.remove_queue(name)
@@ -1346,7 +1362,12 @@ class Supervisor:
         """exchange.declare/delete and the bindings, as the management API makes them (no connection's):
         a declare says whether it made the exchange (``created``), a delete of none is 404."""
         op, name = req.get("op"), req.get("exchange")
-        before = self.defs.routing.lookup(name) if op in ("declare", "delete") and isinstance(name, str) else None
+        if op not in EXCHANGE_OP_TEXTS:
+            return {"ok": False, "error": f"exchange: unknown op {op!r}"}
+        refused = self.bad_request(req, EXCHANGE_OP_TEXTS[op])
+        if refused is not None:
+            return refused
+        before = self.defs.routing.lookup(name) if op in ("declare", "delete") else None
         if op == "delete" and before is None:
             return {"ok": False, "code": 404, "error": f"NOT_FOUND - no exchange '{name}' in vhost '/'"}
         if op == "unbind_key":                  # DELETE /api/bindings/...: the binding its properties key names
@@ -1360,10 +1381,14 @@ class Supervisor:
                     return {"ok": False, "code": 403, "error": "ACCESS_REFUSED - operation not permitted on the "
                                                                "default exchange"}
                 return {"ok": False, "code": 404, "error": "NOT_FOUND - no such binding"}
-            req = {"op": "unbind_exchange" if found.to_exchange else "unbind", "source": found.source,
-                   "exchange": found.source, "destination": found.destination, "queue": found.destination,
+            source, destination = _text_fields(found.source), _text_fields(found.destination)
+            req = {"op": "unbind_exchange" if found.to_exchange else "unbind", "source": source,
+                   "exchange": source, "destination": destination, "queue": destination,
                    "routing_key": found.routing_key, "arguments": arguments_to_json(found.arguments)}
-        reply = self.exchange_op({**req, "owner": None})
+        try:
+            reply = self.exchange_op({**req, "owner": None})
+        except (TypeError, ValueError, ArithmeticError) as exc:        # arguments that are no field values
+            return {"ok": False, "error": f"exchange {op}: bad arguments: {exc}"}
         if not reply["ok"]:
             return {"ok": False, "code": reply["code"], "error": reply["text"]}
         return {**reply, "created": op == "declare" and before is None}
@@ -1372,8 +1397,7 @@ class Supervisor:
         """The binding from ``source`` to ``destination`` whose management API properties key is ``key``."""
         for b in self.defs.routing.bindings():
             if (b.to_exchange == to_exchange and _text_fields(b.source) == source
-                    and _text_fields(b.destination) == destination
-                    and properties_key(_text_fields(b.routing_key), _text_fields(b.arguments)) == key):
+                    and _text_fields(b.destination) == destination and binding_key(b) == key):
                 return b
         return None
 
@@ -1828,6 +1852,17 @@ def _json_value(value):
     if isinstance(value, (list, tuple)):
         return [_json_value(v) for v in value]
     return str(value)
+
+
+EXCHANGE_OP_TEXTS = {                  # the ctl "exchange" ops the management API sends, and their names
+    "declare": ("exchange", "kind"), "delete": ("exchange",),
+    "bind": ("exchange", "queue", "routing_key"), "bind_exchange": ("source", "destination", "routing_key"),
+    "unbind_key": ("source", "destination", "properties_key")}
+
+
+def binding_key(b) -> str:
+    """A binding's properties key in the management API (its arguments typed, as definitions keep them)."""
+    return properties_key(_text_fields(b.routing_key), arguments_to_json(b.arguments))
 
 
 def _text_fields(value):

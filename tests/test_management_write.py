@@ -195,7 +195,7 @@ def test_a_binding_is_made_at_its_properties_key_and_deleted_by_it():
     broker = FakeBroker()
     app = App(broker, {"guest": "guest"})
     code, headers, _ = handle(app, "POST", "/api/bindings/%2F/e/x/q/q%20one", b'{"routing_key": "k 2/x"}')
-    assert (code, headers) == (201, {"Location": "q%20one/k%2B2%252Fx"})
+    assert (code, headers) == (201, {"Location": "q+one/k%2B2%252Fx"})        # as RabbitMQ quotes both parts
     code, headers, _ = handle(app, "POST", "/api/bindings/%2F/e/amq.default/e/y", b'{"arguments": {"a": 1}}')
     key = writes.properties_key("", {"a": 1})
     assert (code, headers["Location"]) == (201, "y/" + key) and key.startswith("~") and len(key) == 7
@@ -213,6 +213,20 @@ def test_a_binding_is_made_at_its_properties_key_and_deleted_by_it():
     assert writes.properties_key("é+%", None) == "%C3%A9%2B%25"
     assert writes.properties_key("k", {"a": 1, "b": 2}) == writes.properties_key("k", {"b": 2, "a": 1})
     assert writes.properties_key("k", {"a": 1}) != writes.properties_key("k", {"a": 2})
+    assert writes.properties_key("k", {"a": "1.5"}) != writes.properties_key("k", {"a": {"D": "1.5"}})  # typed
+
+
+def test_bodies_that_are_not_json_or_nest_too_deep_are_refused_before_reaching_the_broker():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    for body in (b'{"arguments": {"a": NaN}}', b'{"durable": Infinity}', b"[" * 5000 + b"]" * 5000,
+                 b'{"a":' * 5000 + b"1" + b"}" * 5000):
+        assert handle(app, "PUT", "/api/queues/%2F/q", body)[::2] == (400, {"error": "bad_request",
+                                                                           "reason": "not_json"})
+    deep = b'{"arguments": {"a": ' + b"[" * 40 + b"]" * 40 + b"}}"
+    assert handle(app, "POST", "/api/bindings/%2F/e/x/q/q", deep)[::2] == (400, {
+        "error": "bad_request", "reason": f"arguments nested deeper than {writes.MAX_ARGUMENT_DEPTH} levels"})
+    assert broker.asked == []
 
 
 def test_values_are_printed_as_erlang_prints_them():
@@ -503,6 +517,39 @@ def test_a_topology_declared_over_http_carries_messages_and_comes_down_again(sta
         if conn.is_open:
             conn.close()
     assert "orders" in json.loads((broker.data_dir / "definitions.json").read_text())["queues"]   # durable: kept
+
+
+@pytest.mark.processes
+def test_another_connections_exclusive_queue_keeps_its_bindings_and_odd_ctl_requests_get_answers(start_broker):
+    import pika
+
+    from pipeline.ctlclient import CtlClient
+    broker = start_broker()
+    port = broker.info["management_port"]
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port))
+    try:
+        ch = conn.channel()
+        ch.exchange_declare("ex", "direct")
+        ch.queue_declare("mine", exclusive=True)
+        ch.queue_bind("mine", "ex", "k", arguments={"n": 1})
+        key = call(port, "GET", "/api/bindings/%2F/e/ex/q/mine")[2][0]["properties_key"]
+        assert call(port, "DELETE", "/api/bindings/%2F/e/ex/q/mine/" + quote(key, safe="~"))[::2] == (
+            400, {"error": "bad_request", "reason": LOCKED.format("mine")})
+        assert call(port, "POST", "/api/bindings/%2F/e/ex/q/mine", {"routing_key": "k2"})[::2] == (
+            400, {"error": "bad_request", "reason": LOCKED.format("mine")})
+        assert [b["routing_key"] for b in call(port, "GET", "/api/bindings/%2F/e/ex/q/mine")[2]] == ["k"]
+    finally:
+        conn.close()
+    with CtlClient(str(broker.data_dir)) as client:      # what no HTTP request sends: answered, not dropped
+        for cmd, args in (("exchange", {}), ("exchange", {"op": "nope"}), ("exchange", {"op": "declare"}),
+                          ("exchange", {"op": "declare", "exchange": 10 ** 10, "kind": "direct"}),
+                          ("exchange", {"op": "bind", "exchange": "ex", "queue": "q", "routing_key": 5}),
+                          ("exchange", {"op": "declare", "exchange": "t", "kind": "direct",
+                                        "arguments": {"a": {"D": "not a number"}}}),
+                          ("declare_queue", {"queue": ["q"]}), ("declare_queue", {"queue": "q", "arguments": [1]}),
+                          ("declare_queue", {"queue": "q", "arguments": {"a": {"T": 5}}})):
+            assert client.request(cmd, **args)["ok"] is False, (cmd, args)
+        assert client.request("status")["ok"]
 
 
 @pytest.mark.processes

@@ -597,8 +597,7 @@ def bindings_view(topology: dict, queues) -> list[dict]:
              "arguments": {}, "properties_key": properties_key(q, None)} for q in sorted(queues)]
     for b in topology.get("bindings") or []:
         key = _text(b["routing_key"])
-        args = b.get("arguments") or {}
         rows.append({"source": _text(b["source"]), "vhost": VHOST, "destination": _text(b["destination"]),
                      "destination_type": "exchange" if b["to_exchange"] else "queue", "routing_key": key,
-                     "arguments": args, "properties_key": properties_key(key, args)})
+                     "arguments": b.get("arguments") or {}, "properties_key": b["properties_key"]})
     return rows

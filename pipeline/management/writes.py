@@ -54,6 +54,7 @@ NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
 VHOST_NOT_FOUND = {"error": "not_found", "reason": "vhost_not_found"}
 ACCESS_REFUSED = {"error": "not_authorised", "reason": "Access refused."}
 DEFAULT_EXCHANGE = "amq.default"     # how the API names the exchange named ""
+MAX_ARGUMENT_DEPTH = 32              # tables and arrays in a declare's arguments, one inside another
 FORCED_REASON = "Closed via management plugin"      # RabbitMQ's text when no X-Reason header came
 READ = ("HEAD", "GET", "OPTIONS")
 ANY = "*"                        # any one path segment
@@ -175,12 +176,16 @@ def body_object(body: bytes) -> dict:
     if not body.strip():
         return {}
     try:
-        data = json.loads(body)
-    except ValueError:
+        data = json.loads(body, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         raise BadRequest("not_json") from None
     if not isinstance(data, dict):
         raise BadRequest("not_json")
     return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")        # NaN and Infinity, which Python's decoder would take
 
 
 def boolean(data: dict, name: str) -> bool:
@@ -199,14 +204,16 @@ def arguments(data: dict) -> dict:
     value = data.get("arguments") or {}
     if not isinstance(value, dict):
         raise BadRequest("not_json")
-    return {str(k): _field(v) for k, v in value.items()}
+    return {str(k): _field(v, 1) for k, v in value.items()}
 
 
-def _field(value):
+def _field(value, depth: int):
+    if depth > MAX_ARGUMENT_DEPTH:
+        raise BadRequest(f"arguments nested deeper than {MAX_ARGUMENT_DEPTH} levels")
     if isinstance(value, dict):
-        return {"F": [[str(k), _field(v)] for k, v in value.items()]}
+        return {"F": [[str(k), _field(v, depth + 1)] for k, v in value.items()]}
     if isinstance(value, list):
-        return [_field(v) for v in value]
+        return [_field(v, depth + 1) for v in value]
     return value
 
 
@@ -232,7 +239,8 @@ def binding(body: bytes) -> tuple[dict, str]:
     data = body_object(body)
     key = data.get("routing_key", "")
     key = key if isinstance(key, str) else json.dumps(key)
-    return {"routing_key": key, "arguments": arguments(data)}, properties_key(key, data.get("arguments") or None)
+    args = arguments(data)
+    return {"routing_key": key, "arguments": args}, properties_key(key, args)
 
 
 def exchange_name(name: str) -> str:
@@ -241,7 +249,8 @@ def exchange_name(name: str) -> str:
 
 
 def properties_key(routing_key: str, args: dict | None) -> str:
-    """What names one binding between a source and a destination in the API's paths."""
+    """What names one binding between a source and a destination in the API's paths; ``args`` as the
+    broker's definitions write them (``routing.to_json_value``: typed, so "1.5" and a decimal 1.5 differ)."""
     key = quote_plus(routing_key, safe="").replace("~", "%7E")       # a literal ~ only ahead of the hash
     if not args:
         return key or "~"
@@ -251,4 +260,4 @@ def properties_key(routing_key: str, args: dict | None) -> str:
 
 def binding_location(destination: str, key: str) -> str:
     """The ``Location`` of a binding just made: relative, as RabbitMQ's (``DESTINATION/PROPERTIES_KEY``)."""
-    return quote(destination, safe="") + "/" + quote(key, safe="~")
+    return quote_plus(destination, safe="") + "/" + quote(key, safe="~")
