@@ -538,6 +538,8 @@ def test_another_connections_exclusive_queue_keeps_its_bindings_and_odd_ctl_requ
         assert call(port, "POST", "/api/bindings/%2F/e/ex/q/mine", {"routing_key": "k2"})[::2] == (
             400, {"error": "bad_request", "reason": LOCKED.format("mine")})
         assert [b["routing_key"] for b in call(port, "GET", "/api/bindings/%2F/e/ex/q/mine")[2]] == ["k"]
+        assert call(port, "PUT", "/api/queues/%2F/mine", {})[::2] == (
+            400, {"error": "bad_request", "reason": LOCKED.format("mine")})
     finally:
         conn.close()
     with CtlClient(str(broker.data_dir)) as client:      # what no HTTP request sends: answered, not dropped
