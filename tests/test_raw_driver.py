@@ -88,7 +88,9 @@ def test_a_backlog_that_grows_is_told_from_what_credit_holds_in_flight(start_bro
     assert not level["overrun"] and level["held_at_stop"] < 20_000, level
     grew = driver.run(start_broker("--queue-delay-us", "50", "--credit", "0,0", name="no-credit").port, seconds=3,
                       queue="raw-grew")
-    assert grew["overrun"] and grew["held_at_stop"] > grew["held_mid"] + 20_000, grew
+    # 41,000 msg/s published against 10,700 delivered grows it by ~45,000 over the second half on a quiet
+    # machine; a suite's other worker made that 17,884 once: growth, which credit on never shows (above)
+    assert grew["overrun"] and grew["held_at_stop"] > grew["held_mid"] + 10_000, grew
 
 
 def cpu_per_message():
