@@ -229,6 +229,97 @@ def test_bodies_that_are_not_json_or_nest_too_deep_are_refused_before_reaching_t
     assert broker.asked == []
 
 
+RABBITMQ_GUEST_HASH = "P8gbr/h5KjCgA5Unu0gNEmgRYja3kRbg47L00+KK6cBqC9ky"    # guest's, from a RabbitMQ 3.10.8 export
+
+
+def test_definitions_are_exported_as_rabbitmq_exports_them_with_its_password_hashes():
+    from pipeline.management.views import definitions_view
+    salt = base64.b64decode(RABBITMQ_GUEST_HASH)[:4]
+    topology = {"exchanges": [{"name": "x", "type": "topic", "durable": True, "auto_delete": False,
+                               "internal": False, "arguments": {}},
+                              {"name": "amq.topic", "type": "topic", "durable": True, "auto_delete": False,
+                               "internal": False, "arguments": {}}],
+                "bindings": [{"source": "x", "destination": "q", "to_exchange": False, "routing_key": "a.#",
+                              "arguments": {"k": 1}, "properties_key": "a.%23~x"}]}
+    queues = [{"name": "q", "durable": True, "auto_delete": False, "exclusive": False, "arguments": {"x-max-length": 5}},
+              {"name": "mine", "durable": False, "auto_delete": False, "exclusive": True, "arguments": {}}]
+    d = definitions_view(queues, topology, {"max-queues": 50}, {"guest": "guest"}, salt=lambda n: salt)
+    assert d["users"] == [{"name": "guest", "password_hash": RABBITMQ_GUEST_HASH, "hashing_algorithm":
+                           "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}]
+    assert d["permissions"] == [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
+    assert d["parameters"] == [{"value": {"max-queues": 50}, "vhost": "/", "component": "vhost-limits",
+                                "name": "limits"}]
+    assert d["queues"] == [{"name": "q", "vhost": "/", "durable": True, "auto_delete": False,
+                            "arguments": {"x-max-length": 5}}]                  # not the exclusive one
+    assert [x["name"] for x in d["exchanges"]] == ["x"]                         # not the default or amq.*
+    assert d["bindings"] == [{"source": "x", "vhost": "/", "destination": "q", "destination_type": "queue",
+                              "routing_key": "a.#", "arguments": {"k": 1}}]     # not the default exchange's
+    one = definitions_view(queues, topology, {}, {"guest": "guest"}, vhost_only=True)
+    assert sorted(one) == ["bindings", "exchanges", "parameters", "policies", "queues", "rabbit_version"]
+    assert one["queues"] == [{"name": "q", "durable": True, "auto_delete": False, "arguments": {"x-max-length": 5}}]
+
+
+def test_an_import_is_checked_whole_then_made_in_rabbitmqs_order_passing_over_what_is_there():
+    broker = FakeBroker()
+    app = App(broker, {"guest": "guest"})
+    json_type = {"Content_Type": "application/json"}
+    doc = {"users": [{"name": "guest", "password_hash": RABBITMQ_GUEST_HASH,
+                      "hashing_algorithm": "rabbit_password_hashing_sha256", "tags": ["administrator"]}],
+           "vhosts": [{"name": "/"}], "permissions": [{"user": "guest", "vhost": "/", "configure": ""}],
+           "global_parameters": [{"name": "internal_cluster_id", "value": "x"}], "policies": [],
+           "parameters": [{"value": {"max-queues": 9}, "vhost": "/", "component": "vhost-limits", "name": "limits"}],
+           "bindings": [{"source": "x", "vhost": "/", "destination": "q", "destination_type": "queue",
+                         "routing_key": "k", "arguments": {}},
+                        {"source": "x", "vhost": "/", "destination": "y", "destination_type": "exchange",
+                         "routing_key": "", "arguments": {}}],
+           "exchanges": [{"name": "x", "vhost": "/", "type": "topic", "durable": True}],
+           "queues": [{"name": "q", "vhost": "/", "durable": True, "arguments": {"x-max-length": 5}}]}
+    assert handle(app, "POST", "/api/definitions", json.dumps(doc).encode(), **json_type) == (204, {}, b"")
+    assert [(cmd, args.get("op")) for cmd, args in broker.asked] == [
+        ("set_vhost_limits", None), ("declare_queue", None), ("exchange", "declare"), ("exchange", "bind"),
+        ("exchange", "bind_exchange")]
+    assert broker.asked[1] == ("declare_queue", {"queue": "q", "durable": True, "auto_delete": False,
+                                                 "arguments": {"x-max-length": 5}})
+
+    broker.asked.clear()
+    for body, code, answer in (
+            (b"nope", 400, "failed_to_parse_json"), (b"[]", 400, "failed_to_parse_json"),
+            (b'{"queues": "x"}', 400, "failed_to_parse_json"),
+            (b'{"queues": [{"name": "q", "durable": true}]}', 400, ["no_such_vhost", "undefined"]),
+            (b'{"queues": [{"name": "q", "vhost": "other"}]}', 400, ["no_such_vhost", "other"]),
+            (b'{"users": [{"name": "app", "password_hash": "x"}]}', 400,
+             'user "app" is not one of this broker\'s (its users come from `creditflow serve --user NAME:PASSWORD`)'),
+            (json.dumps({"users": [{"name": "guest", "password_hash": writes.password_hash("other", b"salt")}]}
+                        ).encode(), 400,
+             'user "guest" has another password here (its users come from `creditflow serve --user NAME:PASSWORD`)'),
+            (b'{"policies": [{"name": "p", "pattern": ".*", "definition": {"max-length": 1}}]}', 400,
+             "creditflow has no policies: give queues their arguments instead"),
+            (b'{"parameters": [{"vhost": "/", "component": "shovel", "name": "s", "value": {}}]}', 400,
+             'creditflow has no runtime parameters but vhost limits, not component "shovel"')):
+        assert handle(app, "POST", "/api/definitions", body, **json_type)[::2] == (
+            code, {"error": "bad_request", "reason": answer}), body
+    assert broker.asked == []                                   # nothing made from a document refused whole
+    assert handle(app, "POST", "/api/definitions", b"{}") == (415, {}, b"")
+    assert handle(app, "POST", "/api/definitions/other", b"{}", **json_type)[::2] == (
+        404, {"error": "not_found", "reason": "vhost_not_found"})
+    assert handle(app, "POST", "/api/definitions/%2F", b'{"queues": [{"name": "q"}]}', **json_type)[0] == 204
+
+    broker.asked.clear()        # what is there is kept, amq. names and bindings to nothing passed over
+    broker.replies.update(declare_queue={"ok": False, "code": 406, "error": "PRECONDITION_FAILED - inequivalent "
+                                                                              "arg 'durable' for queue 'q'"},
+                          exchange={"ok": False, "code": 404, "error": "NOT_FOUND - no exchange 'x' in vhost '/'"})
+    several = {"queues": [{"name": "q", "vhost": "/"}, {"name": "r", "vhost": "/"}],
+               "bindings": [{"source": "x", "vhost": "/", "destination": "q"}]}
+    assert handle(app, "POST", "/api/definitions", json.dumps(several).encode(), **json_type)[0] == 204
+    assert len(broker.asked) == 3
+    broker.asked.clear()        # any other refusal stops the import there, as RabbitMQ's does
+    broker.replies["declare_queue"] = {"ok": False, "code": 406, "error": "PRECONDITION_FAILED - invalid arg "
+                                                                          "'x-max-length' for queue 'q'"}
+    assert handle(app, "POST", "/api/definitions", json.dumps(several).encode(), **json_type)[::2] == (
+        400, {"error": "bad_request", "reason": "invalid arg 'x-max-length' for queue 'q'"})
+    assert len(broker.asked) == 1
+
+
 def test_values_are_printed_as_erlang_prints_them():
     assert [writes.erlang_term(v) for v in (None, False, 7, 1.5, 1e20, 'a"b\\c é', [1, "a"], {"a": 1})] == [
         "null", "false", "7", "1.5", "1.0e20", '<<"a\\"b\\\\c é">>', '[1,<<"a">>]', '#{<<"a">> => 1}']
@@ -582,3 +673,48 @@ def test_a_queue_declared_over_http_while_its_namesake_is_being_deleted_is_made_
     declaring.join(15)
     assert answers["delete"][0] == 204 and answers["declare"][0] == 201
     assert call(port, "GET", "/api/queues/%2F/slow")[2]["durable"] is True
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(not os.path.exists(RABBITMQADMIN),
+                    reason="rabbitmqadmin is not installed (Debian's rabbitmq-server ships it)")
+def test_definitions_exported_from_one_broker_and_imported_into_another_carry_its_messages(start_broker):
+    """rabbitmqadmin export from one broker, import into a second: the second routes pika's publishes as
+    the first did, keeps its limits, and its queues' arguments hold."""
+    import pika
+    first = start_broker(name="first")
+    conn = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", first.port))
+    ch = conn.channel()
+    ch.exchange_declare("orders", "topic", durable=True)
+    ch.exchange_declare("audit", "fanout")
+    ch.queue_declare("paid", durable=True, arguments={"x-max-length": 2})
+    ch.queue_declare("log")
+    ch.queue_declare("mine", exclusive=True)
+    ch.queue_bind("paid", "orders", "order.paid")
+    ch.exchange_bind("audit", "orders", "#")
+    ch.queue_bind("log", "audit", "", arguments={"why": "all"})
+    assert call(first.info["management_port"], "PUT", "/api/vhost-limits/%2F/max-queues", {"value": 10})[0] == 204
+    exported = first.data_dir.parent / "definitions.json"
+    done = subprocess.run([RABBITMQADMIN, "-P", str(first.info["management_port"]), "export", str(exported)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    conn.close()
+    assert {q["name"] for q in json.loads(exported.read_text())["queues"]} == {"paid", "log"}    # no exclusive one
+
+    second = start_broker(name="second")
+    done = subprocess.run([RABBITMQADMIN, "-P", str(second.info["management_port"]), "import", str(exported)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", second.port)) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for i in range(3):
+            ch.basic_publish("orders", "order.paid", f"m{i}".encode())
+        assert ch.queue_declare("paid", durable=True, passive=True).method.message_count == 2   # x-max-length
+        assert ch.queue_declare("log", passive=True).method.message_count == 3       # orders -> audit -> log
+    assert call(second.info["management_port"], "GET", "/api/vhost-limits")[2] == [
+        {"vhost": "/", "value": {"max-queues": 10}}]
+    def bindings(rows: list) -> list:
+        return sorted(rows, key=lambda b: json.dumps(b, sort_keys=True))
+    assert bindings(json.loads(exported.read_text())["bindings"]) == bindings(
+        call(second.info["management_port"], "GET", "/api/definitions")[2]["bindings"])

@@ -42,8 +42,8 @@ from ipc import control
 from ipc.errors import CorruptRecord, PeerGone
 from pipeline.ctlclient import BrokerNotRunning, CtlClient
 from pipeline.management import writes
-from pipeline.management.views import (VHOST, RateBook, Views, bindings_view, exchanges_view, select_columns,
-                                       whoami)
+from pipeline.management.views import (VHOST, RateBook, Views, bindings_view, definitions_view, exchanges_view,
+                                       select_columns, whoami)
 
 STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share it
 CTL_TIMEOUT_S = 10.0
@@ -175,11 +175,27 @@ class App:
         """PUT, POST and DELETE (``writes.allowed`` let only those through that a path takes): (status, body,
         headers to add)."""
         try:
+            if parts[0] == "definitions":
+                return self.import_definitions(parts, headers, body)
             if parts[0] == "exchanges" or parts[0] == "bindings" or (parts[0] == "queues" and method == "PUT"):
                 return self.declare(method, parts, query, body)
         except writes.BadRequest as exc:
             return 400, {"error": "bad_request", "reason": exc.reason}, {}
         return (*self.change(method, parts, query, headers, body), {})
+
+    def import_definitions(self, parts: list[str], headers, body: bytes) -> tuple[int, object, dict]:
+        """``POST /api/definitions[/VHOST]``: merged in, as RabbitMQ merges them (what is there stays, even
+        where the file differs); checked whole first, then made in order, stopping at the first refusal."""
+        writes.check_json(headers.get("Content-Type"))
+        if len(parts) == 2 and parts[1] != VHOST:
+            return 404, writes.VHOST_NOT_FOUND, {}
+        plan = writes.definitions_plan(writes.definitions_body(body), self.users, parts[1] if len(parts) == 2 else None)
+        for cmd, args in plan:
+            reply = self.source.command(cmd, **args)
+            if not reply.get("ok") and not writes.skipped_on_import(cmd, reply):
+                code, answer = writes.refusal(reply, missing=None)
+                return (400 if code == 401 else code), answer, {}
+        return 204, None, {}
 
     def declare(self, method: str, parts: list[str], query: dict, body: bytes) -> tuple[int, object, dict]:
         """Queues, exchanges and bindings made and removed over HTTP (``writes``)."""
@@ -275,6 +291,12 @@ class App:
             return 200, [c for c in views.consumers() if len(parts) == 1 or c["queue"]["vhost"] == parts[1]]
         if parts in (["health", "checks", "alarms"], ["health", "checks", "local-alarms"]):
             return views.health_alarms("cluster" if parts[2] == "alarms" else "node")
+        if parts[:1] == ["definitions"]:
+            if len(parts) == 2 and parts[1] != VHOST:
+                return 400, {"error": "bad_request", "reason": "vhost_not_found"}
+            return 200, definitions_view(views.queues(), self.source.topology(),
+                                         self.source.command("list_vhost_limits").get("limits") or {}, self.users,
+                                         vhost_only=len(parts) == 2)
         if parts[:1] == ["exchanges"] and len(parts) <= 3:
             rows = [r for r in exchanges_view(self.source.topology()) if len(parts) == 1 or r["vhost"] == parts[1]]
             if len(parts) == 3:

@@ -29,8 +29,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 
-from pipeline.management.writes import properties_key
+from pipeline.management.writes import HASHING_ALGORITHM, password_hash, properties_key
 from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, ReaderStats, SchemaMismatch, Snapshot,
                                        WatchdogStats, stats_of)
 
@@ -601,3 +602,35 @@ def bindings_view(topology: dict, queues) -> list[dict]:
                      "destination_type": "exchange" if b["to_exchange"] else "queue", "routing_key": key,
                      "arguments": b.get("arguments") or {}, "properties_key": b["properties_key"]})
     return rows
+
+
+# -- definitions (``GET /api/definitions``) --------------------------------------------------------------------
+def definitions_view(queues: list[dict], topology: dict, limits: dict, users: dict[str, str],
+                     vhost_only: bool = False, salt=None) -> dict:
+    """What RabbitMQ 3.10.8 exports: users (every one may do everything here: ``administrator``, all
+    permissions), the one vhost, its limits as a ``vhost-limits`` parameter, every queue but the exclusive
+    ones, the exchanges but the default and ``amq.`` ones, the bindings but the default exchange's.
+    ``vhost_only`` (``/api/definitions/%2F``): the vhost's part, without vhost fields in its items."""
+    salt = salt or os.urandom
+    parameters = [{"value": dict(limits), "vhost": VHOST, "component": "vhost-limits", "name": "limits"}] \
+        if limits else []
+    qs = [{"name": q["name"], "vhost": VHOST, "durable": q["durable"], "auto_delete": q["auto_delete"],
+           "arguments": q["arguments"]} for q in queues if not q.get("exclusive")]
+    xs = [{k: x[k] for k in ("name", "vhost", "type", "durable", "auto_delete", "internal", "arguments")}
+          for x in exchanges_view(topology) if x["name"] and not x["name"].startswith("amq.")]
+    bs = [{k: b[k] for k in ("source", "vhost", "destination", "destination_type", "routing_key", "arguments")}
+          for b in bindings_view(topology, []) if b["source"]]
+    if vhost_only:
+        strip = (lambda rows: [{k: v for k, v in r.items() if k != "vhost"} for r in rows])
+        return {"rabbit_version": API_VERSION, "parameters": strip(parameters), "policies": [],
+                "queues": strip(qs), "exchanges": strip(xs), "bindings": strip(bs)}
+    return {"rabbit_version": API_VERSION, "rabbitmq_version": API_VERSION, "product_name": PRODUCT,
+            "product_version": PRODUCT_VERSION,
+            "users": [{"name": name, "password_hash": password_hash(password, salt(4)),
+                       "hashing_algorithm": HASHING_ALGORITHM, "tags": ["administrator"], "limits": {}}
+                      for name, password in sorted(users.items())],
+            "vhosts": [{"name": VHOST}],
+            "permissions": [{"user": name, "vhost": VHOST, "configure": ".*", "write": ".*", "read": ".*"}
+                            for name in sorted(users)],
+            "topic_permissions": [], "parameters": parameters, "global_parameters": [], "policies": [],
+            "queues": qs, "exchanges": xs, "bindings": bs}

@@ -67,6 +67,8 @@ ALLOW: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (     # (path, its 
     (("api", "bindings", ANY, "e", ANY, "q", ANY, ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
     (("api", "bindings", ANY, "e", ANY, "e", ANY, ANY), ("HEAD", "GET", "DELETE", "OPTIONS")),
     (("api", "queues", ANY, ANY, "contents"), ("DELETE", "OPTIONS")),
+    (("api", "definitions"), ("HEAD", "GET", "POST", "OPTIONS")),
+    (("api", "definitions", ANY), ("HEAD", "GET", "POST", "OPTIONS")),
     (("api", "vhost-limits"), ("GET", "OPTIONS")),
     (("api", "vhost-limits", ANY), ("GET", "OPTIONS")),
     (("api", "vhost-limits", ANY, ANY), ("PUT", "DELETE", "OPTIONS")),
@@ -261,3 +263,105 @@ def properties_key(routing_key: str, args: dict | None) -> str:
 def binding_location(destination: str, key: str) -> str:
     """The ``Location`` of a binding just made: relative, as RabbitMQ's (``DESTINATION/PROPERTIES_KEY``)."""
     return quote_plus(destination, safe="") + "/" + quote(key, safe="~")
+
+
+# -- definitions: export and import ------------------------------------------------------------------------------
+HASHING_ALGORITHM = "rabbit_password_hashing_sha256"
+DEFINITION_LISTS = ("users", "vhosts", "permissions", "topic_permissions", "parameters", "global_parameters",
+                    "policies", "queues", "exchanges", "bindings")
+
+
+def password_hash(password: str, salt: bytes) -> str:
+    """RabbitMQ's stored form of a password: base64 of a 4-byte salt and SHA-256 of salt and password."""
+    return base64.b64encode(salt + hashlib.sha256(salt + password.encode()).digest()).decode()
+
+
+def definitions_body(body: bytes) -> dict:
+    """An import's document (400 ``failed_to_parse_json`` unless a JSON object whose lists are lists)."""
+    try:
+        data = json.loads(body, parse_constant=_no_constant) if body.strip() else {}
+    except (ValueError, RecursionError):
+        raise BadRequest("failed_to_parse_json") from None
+    if not isinstance(data, dict) or any(not isinstance(data.get(k, []), list) for k in DEFINITION_LISTS):
+        raise BadRequest("failed_to_parse_json")
+    if any(not isinstance(item, dict) for k in DEFINITION_LISTS for item in data.get(k, [])):
+        raise BadRequest("failed_to_parse_json")
+    return data
+
+
+def definitions_plan(data: dict, users: dict[str, str], path_vhost: str | None) -> list[tuple[str, dict]]:
+    """The ctl requests that import ``data`` (``definitions_body``), in RabbitMQ's order: the vhost's
+    limits, queues, exchanges, bindings. ``path_vhost``: the vhost of ``/api/definitions/VHOST`` (items
+    then need none of their own). What creditflow cannot honour is refused before anything is made:
+    another vhost, a user it does not have (or with another password), a policy, a runtime parameter
+    other than vhost limits. Permissions are taken as they are: every user may do everything here."""
+    def vhost_of(item: dict) -> None:
+        name = path_vhost if path_vhost is not None else item.get("vhost", "undefined")
+        if name != VHOST:
+            raise BadRequest(["no_such_vhost", name if isinstance(name, str) else json.dumps(name)])
+
+    for item in data.get("vhosts", []):
+        if item.get("name") != VHOST:
+            raise BadRequest(f"creditflow serves the vhost '/' only, not {json.dumps(item.get('name'))}")
+    for item in data.get("users", []):
+        name, stored = item.get("name"), item.get("password_hash")
+        if name not in users:
+            raise BadRequest(f"user {json.dumps(name)} is not one of this broker's (its users come from "
+                             "`creditflow serve --user NAME:PASSWORD`)")
+        try:
+            salt = base64.b64decode(stored or "", validate=True)[:4]
+        except ValueError:
+            raise BadRequest(["not_base64", stored]) from None
+        if item.get("hashing_algorithm", HASHING_ALGORITHM) != HASHING_ALGORITHM or \
+                password_hash(users[name], salt) != stored:
+            raise BadRequest(f"user {json.dumps(name)} has another password here (its users come from "
+                             "`creditflow serve --user NAME:PASSWORD`)")
+    if data.get("policies"):
+        raise BadRequest("creditflow has no policies: give queues their arguments instead")
+    plan: list[tuple[str, dict]] = []
+    for item in data.get("parameters", []):
+        vhost_of(item)
+        if item.get("component") != "vhost-limits" or not isinstance(item.get("value"), dict):
+            raise BadRequest(f"creditflow has no runtime parameters but vhost limits, not component "
+                             f"{json.dumps(item.get('component'))}")
+        plan.append(("set_vhost_limits", {"value": item["value"]}))
+    for item in data.get("queues", []):
+        vhost_of(item)
+        plan.append(("declare_queue", {"queue": _name(item, "name"), "durable": boolean(item, "durable"),
+                                       "auto_delete": boolean(item, "auto_delete"), "arguments": arguments(item)}))
+    for item in data.get("exchanges", []):
+        vhost_of(item)
+        kind = item.get("type", "direct")
+        plan.append(("exchange", {"op": "declare", "exchange": _name(item, "name"),
+                                  "kind": kind if isinstance(kind, str) else json.dumps(kind),
+                                  "durable": boolean(item, "durable"), "auto_delete": boolean(item, "auto_delete"),
+                                  "internal": boolean(item, "internal"), "arguments": arguments(item)}))
+    for item in data.get("bindings", []):
+        vhost_of(item)
+        key = item.get("routing_key", "")
+        fields = {"routing_key": key if isinstance(key, str) else json.dumps(key), "arguments": arguments(item)}
+        source = _name(item, "source")
+        if item.get("destination_type") == "exchange":
+            plan.append(("exchange", {"op": "bind_exchange", "source": source,
+                                      "destination": _name(item, "destination"), **fields}))
+        else:
+            plan.append(("exchange", {"op": "bind", "exchange": source, "queue": _name(item, "destination"),
+                                      **fields}))
+    return plan
+
+
+def _name(item: dict, field: str) -> str:
+    name = item.get(field)
+    if not isinstance(name, str):
+        raise BadRequest(f"{field} {json.dumps(name)} is not a name")
+    return name
+
+
+def skipped_on_import(cmd: str, reply: dict) -> bool:
+    """What an import passes over, as RabbitMQ's does: a queue or exchange that is there already (even
+    unlike the one given: it is kept), an ``amq.`` name, a binding whose ends are missing."""
+    code = reply.get("code")
+    if cmd in ("declare_queue", "exchange") and code == 403:
+        return True
+    text = str(reply.get("error") or "")
+    return (code == 406 and "inequivalent arg" in text) or (code == 404 and cmd == "exchange")
