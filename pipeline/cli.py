@@ -319,6 +319,9 @@ def build_parser() -> Parser:
     serve.add_argument("--loopback-users", default="guest", metavar="NAMES",
                        help="RabbitMQ's loopback_users: comma-separated users who may log in only over "
                             "loopback (default guest; none: no such restriction)")
+    serve.add_argument("--definitions", default=None, metavar="FILE",
+                       help="RabbitMQ's load_definitions: import this definitions file (as GET /api/definitions "
+                            "or rabbitmqctl export_definitions writes it) once the broker is up")
     add_broker_options(serve)
 
     run = sub.add_parser("run", help="broker + PerfTest-style load, per-second lines, summary.json")
@@ -484,7 +487,25 @@ def cmd_serve(args) -> int:
         raise UsageError("creditflow serve: --cert and --key go with --tls-port")
     cfg.users = {"guest": "guest", **dict(args.user)}
     cfg.loopback_users = tuple(n for n in args.loopback_users.split(",") if n and args.loopback_users != "none")
+    if args.definitions is not None:
+        cfg.definitions = definitions_plan(args.definitions, cfg.users)
     return run_broker(cfg)
+
+
+def definitions_plan(path: str, users: dict[str, str]) -> list:
+    """What ``--definitions FILE`` will make, checked whole before anything starts (as an import over HTTP)."""
+    from pipeline.management import writes
+    try:
+        with open(path, "rb") as f:
+            body = f.read()
+        plan = writes.definitions_plan(writes.definitions_body(body), users, None)
+        writes.check_definitions(plan)
+    except OSError as exc:
+        raise UsageError(f"creditflow serve: --definitions {path}: {exc.strerror or exc}") from None
+    except writes.BadRequest as exc:
+        reason = exc.reason if isinstance(exc.reason, str) else json.dumps(exc.reason)
+        raise UsageError(f"creditflow serve: --definitions {path}: {reason}") from None
+    return plan
 
 
 def check_tls(args) -> None:

@@ -116,6 +116,7 @@ class BrokerConfig:
     connection_max: int = 1000
     handshake_timeout_s: float = 10.0       # RabbitMQ's handshake_timeout: TCP connect to connection.open
     users: dict = field(default_factory=lambda: {"guest": "guest"})
+    definitions: list = field(default_factory=list)    # ctl requests that import --definitions, in order
     loopback_users: tuple = ("guest",)      # RabbitMQ's loopback_users
     max_message_bytes: int = 128 * 1024 * 1024     # RabbitMQ 3.10's max_message_size
     ring_bytes: int = RING_BYTES
@@ -1155,6 +1156,24 @@ class Supervisor:
             self.log("info", [f"recovered {len(queues)} durable queues and {durable_exchanges} durable exchanges "
                               f"from {path}"])
 
+    def import_definitions(self) -> None:
+        """``--definitions FILE`` (RabbitMQ's load_definitions), checked whole by the CLI, made here as an
+        import over HTTP makes it: what is there already is kept, as are refusals of a binding to nothing."""
+        from pipeline.management.writes import skipped_on_import
+        if not self.cfg.definitions:
+            return
+        given, new = collections.Counter(), collections.Counter()
+        for cmd, args in self.cfg.definitions:
+            reply = self.ctl_request(None, {"cmd": cmd, **args})
+            if reply is not None and not reply.get("ok") and not skipped_on_import(cmd, reply):
+                raise RuntimeError(f"cannot import the definitions: {reply.get('error')}")
+            kind = "exchanges" if args.get("op") == "declare" else "bindings" if cmd == "exchange" else cmd
+            given[kind] += 1
+            new[kind] += bool(reply and reply.get("created"))
+        self.log("info", [f"imported definitions: {given['declare_queue']} queues ({new['declare_queue']} new), "
+                          f"{given['exchanges']} exchanges ({new['exchanges']} new), {given['bindings']} bindings"
+                          + (", the vhost's limits" if given["set_vhost_limits"] else "")])
+
     # -- paging -------------------------------------------------------------------------
     def check_paging(self, st: dict) -> None:
         """Queues page to disk while memory used > paging_ratio x the watermark (the watchdog's readings)."""
@@ -1716,6 +1735,7 @@ class Supervisor:
                 raise RuntimeError("cannot start the message store")
             self.start_watchdog()
             self.load_definitions()
+            self.import_definitions()
             self.write_broker_file()
             if self.start_management() is not None:
                 self.log("info", [f"Management plugin: HTTP (non-TLS) listener started on port {self.management_port}",

@@ -718,3 +718,51 @@ def test_definitions_exported_from_one_broker_and_imported_into_another_carry_it
         return sorted(rows, key=lambda b: json.dumps(b, sort_keys=True))
     assert bindings(json.loads(exported.read_text())["bindings"]) == bindings(
         call(second.info["management_port"], "GET", "/api/definitions")[2]["bindings"])
+
+
+@pytest.mark.processes
+def test_serve_imports_a_definitions_file_at_start_and_refuses_a_bad_one_before_anything_starts(start_broker,
+                                                                                                 tmp_path):
+    """RabbitMQ's load_definitions: ``serve --definitions FILE`` makes what the file names once the broker is
+    up (and keeps what a restart recovered); a file it cannot honour exits 2 with one line, nothing made."""
+    import pika
+
+    from conftest import creditflow_cmd
+    good = tmp_path / "defs.json"
+    good.write_text(json.dumps({
+        "vhosts": [{"name": "/"}], "policies": [],
+        "parameters": [{"value": {"max-connections": 5}, "vhost": "/", "component": "vhost-limits", "name": "limits"}],
+        "queues": [{"name": "jobs", "vhost": "/", "durable": True, "auto_delete": False,
+                    "arguments": {"x-max-length": 2}},
+                   {"name": "amq.skipped", "vhost": "/", "durable": True, "auto_delete": False, "arguments": {}}],
+        "exchanges": [{"name": "work", "vhost": "/", "type": "direct", "durable": True, "auto_delete": False,
+                       "internal": False, "arguments": {}}],
+        "bindings": [{"source": "work", "vhost": "/", "destination": "jobs", "destination_type": "queue",
+                      "routing_key": "job", "arguments": {}},
+                     {"source": "missing", "vhost": "/", "destination": "jobs", "destination_type": "queue",
+                      "routing_key": "job", "arguments": {}}]}))
+    broker = start_broker("--definitions", str(good))
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        ch = conn.channel()
+        ch.confirm_delivery()
+        for i in range(3):
+            ch.basic_publish("work", "job", f"j{i}".encode())
+        assert ch.queue_declare("jobs", durable=True, passive=True).method.message_count == 2
+        with pytest.raises(pika.exceptions.ChannelClosedByBroker, match="404"):
+            conn.channel().queue_declare("amq.skipped", passive=True)
+    assert call(broker.info["management_port"], "GET", "/api/vhost-limits")[2] == [
+        {"vhost": "/", "value": {"max-connections": 5}}]
+    assert "imported definitions: 2 queues (1 new), 1 exchanges (1 new), 2 bindings, the vhost's limits" \
+        in broker.output()
+
+    for doc, reason in (({"policies": [{"name": "p"}]}, "creditflow has no policies"),
+                        ({"queues": [{"name": "q", "vhost": "/", "arguments": {"x-max-length": "x"}}]},
+                         "invalid arg 'x-max-length' for queue 'q'"),
+                        ({"users": [{"name": "app", "password_hash": "x"}]}, "user \"app\" is not one of")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps(doc))
+        data = tmp_path / "bad-data"
+        done = subprocess.run(creditflow_cmd("serve", "--port", "0", "--data-dir", str(data), "--definitions",
+                                             str(bad)), capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and reason in done.stderr, done.stderr
+        assert not data.exists() or not any(data.iterdir())

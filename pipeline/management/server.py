@@ -190,6 +190,7 @@ class App:
         if len(parts) == 2 and parts[1] != VHOST:
             return 404, writes.VHOST_NOT_FOUND, {}
         plan = writes.definitions_plan(writes.definitions_body(body), self.users, parts[1] if len(parts) == 2 else None)
+        writes.check_definitions(plan)
         for cmd, args in plan:
             reply = self.source.command(cmd, **args)
             if not reply.get("ok") and not writes.skipped_on_import(cmd, reply):

@@ -365,3 +365,26 @@ def skipped_on_import(cmd: str, reply: dict) -> bool:
         return True
     text = str(reply.get("error") or "")
     return (code == 406 and "inequivalent arg" in text) or (code == 404 and cmd == "exchange")
+
+
+def check_definitions(plan: list[tuple[str, dict]]) -> None:
+    """Refuse (400, the broker's own reason) a plan any of whose queues, exchanges or limits the broker would
+    refuse whatever it holds: bad queue arguments, an unknown exchange type, limits that are no limits. What
+    remains to refuse depends on what is there (equal or not), and an import passes over that."""
+    from pipeline.broker.args import QueueError, parse_queue_args
+    from pipeline.broker.definitions import BadLimits, arguments_from_json, parse_limits
+    from pipeline.broker.routing import EXCHANGE_TYPES
+    for cmd, args in plan:
+        try:
+            if cmd == "set_vhost_limits":
+                parse_limits(args["value"])
+            elif cmd == "declare_queue" and not args["queue"].startswith("amq."):
+                parse_queue_args(args["queue"], arguments_from_json(args["arguments"]))
+            elif cmd == "exchange" and args["op"] == "declare" and not args["exchange"].startswith("amq.") \
+                    and args["kind"] not in EXCHANGE_TYPES:
+                raise BadRequest(f"unknown exchange type '{args['kind']}'")
+        except QueueError as exc:
+            name, sep, rest = exc.reply_text.partition(" - ")
+            raise BadRequest(rest if sep and name.isupper() else exc.reply_text) from None
+        except BadLimits as exc:
+            raise BadRequest(str(exc)) from None
