@@ -240,7 +240,9 @@ def test_definitions_are_exported_as_rabbitmq_exports_them_with_its_password_has
                               {"name": "amq.topic", "type": "topic", "durable": True, "auto_delete": False,
                                "internal": False, "arguments": {}}],
                 "bindings": [{"source": "x", "destination": "q", "to_exchange": False, "routing_key": "a.#",
-                              "arguments": {"k": 1}, "properties_key": "a.%23~x"}]}
+                              "arguments": {"k": 1}, "properties_key": "a.%23~x"},
+                             {"source": "x", "destination": "mine", "to_exchange": False, "routing_key": "m",
+                              "arguments": {}, "properties_key": "m"}]}
     queues = [{"name": "q", "durable": True, "auto_delete": False, "exclusive": False, "arguments": {"x-max-length": 5}},
               {"name": "mine", "durable": False, "auto_delete": False, "exclusive": True, "arguments": {}}]
     d = definitions_view(queues, topology, {"max-queues": 50}, {"guest": "guest"}, salt=lambda n: salt)
@@ -253,7 +255,8 @@ def test_definitions_are_exported_as_rabbitmq_exports_them_with_its_password_has
                             "arguments": {"x-max-length": 5}}]                  # not the exclusive one
     assert [x["name"] for x in d["exchanges"]] == ["x"]                         # not the default or amq.*
     assert d["bindings"] == [{"source": "x", "vhost": "/", "destination": "q", "destination_type": "queue",
-                              "routing_key": "a.#", "arguments": {"k": 1}}]     # not the default exchange's
+                              "routing_key": "a.#", "arguments": {"k": 1}}]     # not the default exchange's,
+    #                                                                         nor the exclusive queue's
     one = definitions_view(queues, topology, {}, {"guest": "guest"}, vhost_only=True)
     assert sorted(one) == ["bindings", "exchanges", "parameters", "policies", "queues", "rabbit_version"]
     assert one["queues"] == [{"name": "q", "durable": True, "auto_delete": False, "arguments": {"x-max-length": 5}}]
@@ -299,6 +302,30 @@ def test_an_import_is_checked_whole_then_made_in_rabbitmqs_order_passing_over_wh
         assert handle(app, "POST", "/api/definitions", body, **json_type)[::2] == (
             code, {"error": "bad_request", "reason": answer}), body
     assert broker.asked == []                                   # nothing made from a document refused whole
+    whole = {"parameters": [{"value": {"max-queues": 9}, "vhost": "/", "component": "vhost-limits"}],
+             "queues": [{"name": "q", "vhost": "/"}],
+             "exchanges": [{"name": "e", "vhost": "/", "type": "nosuch"}]}
+    for late, reason in (({"bindings": [{"source": "e", "vhost": "other", "destination": "q"}]},
+                          ["no_such_vhost", "other"]),
+                         ({"bindings": [{"source": "e", "vhost": "/", "destination": "q", "destination_type": "x"}]},
+                          'destination_type "x" is neither queue nor exchange'),
+                         ({}, "unknown exchange type 'nosuch'"),
+                         ({"queues": [{"name": "q", "vhost": "/"}, {"name": "r", "vhost": "/",
+                                                                    "arguments": {"x-max-priority": 300}}]},
+                          "invalid arg 'x-max-priority' for queue 'r' in vhost '/': {max_value_exceeded,300}"),
+                         ({"parameters": [{"value": {"max-queues": "x"}, "vhost": "/", "component": "vhost-limits"}]},
+                          "max-queues must be an integer, got 'x'")):
+        doc = {**whole, "exchanges": [{"name": "e", "vhost": "/", "type": "direct"}], **late}
+        if not late:
+            doc = whole
+        code, _, answer = handle(app, "POST", "/api/definitions", json.dumps(doc).encode(), **json_type)
+        assert (code, answer["reason"]) == (400, reason), late
+    for user in ({"name": ["guest"], "password_hash": "x"}, {"name": "guest", "password_hash": 5},
+                 {"name": "guest"}):
+        assert handle(app, "POST", "/api/definitions", json.dumps({"users": [user]}).encode(), **json_type)[0] == 400
+    assert broker.asked == []                                   # each refused whole, before anything was made
+    assert handle(app, "POST", "/api/definitions/%2F", b'{"users": [{"name": "app"}], "vhosts": [{"name": "v"}]}',
+                  **json_type)[0] == 204                        # a vhost's own import leaves users alone
     assert handle(app, "POST", "/api/definitions", b"{}") == (415, {}, b"")
     assert handle(app, "POST", "/api/definitions/other", b"{}", **json_type)[::2] == (
         404, {"error": "not_found", "reason": "vhost_not_found"})
@@ -318,6 +345,16 @@ def test_an_import_is_checked_whole_then_made_in_rabbitmqs_order_passing_over_wh
     assert handle(app, "POST", "/api/definitions", json.dumps(several).encode(), **json_type)[::2] == (
         400, {"error": "bad_request", "reason": "invalid arg 'x-max-length' for queue 'q'"})
     assert len(broker.asked) == 1
+
+
+def test_a_fault_behind_a_request_is_answered_500_not_a_dropped_connection(capsys):
+    class Failing(FakeBroker):
+        def command(self, cmd: str, **args) -> dict:
+            raise RuntimeError("planted")
+    app = App(Failing(), {"guest": "guest"})
+    assert handle(app, "PUT", "/api/queues/%2F/q", b"{}")[::2] == (500, {
+        "error": "internal_server_error", "reason": "the management API failed on this request"})
+    assert "RuntimeError: planted" in capsys.readouterr().err
 
 
 def test_values_are_printed_as_erlang_prints_them():
@@ -693,6 +730,7 @@ def test_definitions_exported_from_one_broker_and_imported_into_another_carry_it
     ch.queue_bind("paid", "orders", "order.paid")
     ch.exchange_bind("audit", "orders", "#")
     ch.queue_bind("log", "audit", "", arguments={"why": "all"})
+    ch.queue_bind("mine", "orders", "#")                # left out with its exclusive queue
     assert call(first.info["management_port"], "PUT", "/api/vhost-limits/%2F/max-queues", {"value": 10})[0] == 204
     exported = first.data_dir.parent / "definitions.json"
     done = subprocess.run([RABBITMQADMIN, "-P", str(first.info["management_port"]), "export", str(exported)],
@@ -700,6 +738,7 @@ def test_definitions_exported_from_one_broker_and_imported_into_another_carry_it
     assert done.returncode == 0, done.stderr
     conn.close()
     assert {q["name"] for q in json.loads(exported.read_text())["queues"]} == {"paid", "log"}    # no exclusive one
+    assert "mine" not in {b["destination"] for b in json.loads(exported.read_text())["bindings"]}
 
     second = start_broker(name="second")
     done = subprocess.run([RABBITMQADMIN, "-P", str(second.info["management_port"]), "import", str(exported)],
@@ -712,6 +751,7 @@ def test_definitions_exported_from_one_broker_and_imported_into_another_carry_it
             ch.basic_publish("orders", "order.paid", f"m{i}".encode())
         assert ch.queue_declare("paid", durable=True, passive=True).method.message_count == 2   # x-max-length
         assert ch.queue_declare("log", passive=True).method.message_count == 3       # orders -> audit -> log
+    assert call(second.info["management_port"], "GET", "/api/definitions/%2F/more")[::2] == (404, NOT_FOUND)
     assert call(second.info["management_port"], "GET", "/api/vhost-limits")[2] == [
         {"vhost": "/", "value": {"max-queues": 10}}]
     def bindings(rows: list) -> list:

@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -49,6 +50,7 @@ STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share i
 CTL_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 30.0          # an HTTP client silent this long loses its connection
 MAX_BODY_BYTES = 64 * 1024       # a PUT's body (``{"value": N}``); a longer one is refused 413
+MAX_DEFINITIONS_BYTES = 20_000_000  # an imported definitions document: RabbitMQ's management.http.max_body_size
 REALM = 'Basic realm="RabbitMQ Management"'
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
 LIVE_PAGE = (Path(__file__).with_name("live.html")).read_bytes()   # the live page at ``/`` (it logs in itself)
@@ -163,6 +165,10 @@ class App:
             return 503, {"Content-Type": JSON}, _json({"error": "broker_unavailable", "reason": str(exc)})
         except writes.UnsupportedMediaType:
             return 415, {}, b""
+        except Exception:                       # a fault of ours: the client hears 500, the log says where
+            traceback.print_exc()
+            return 500, {"Content-Type": JSON}, _json({"error": "internal_server_error",
+                                                       "reason": "the management API failed on this request"})
         if code in (201, 204) and body is None:
             return code, extra, b""
         if code == 200:
@@ -292,7 +298,7 @@ class App:
             return 200, [c for c in views.consumers() if len(parts) == 1 or c["queue"]["vhost"] == parts[1]]
         if parts in (["health", "checks", "alarms"], ["health", "checks", "local-alarms"]):
             return views.health_alarms("cluster" if parts[2] == "alarms" else "node")
-        if parts[:1] == ["definitions"]:
+        if parts[:1] == ["definitions"] and len(parts) <= 2:
             if len(parts) == 2 and parts[1] != VHOST:
                 return 400, {"error": "bad_request", "reason": "vhost_not_found"}
             return 200, definitions_view(views.queues(), self.source.topology(),
@@ -354,7 +360,8 @@ class Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length") or 0)
         except ValueError:
             length = -1
-        if not 0 <= length <= MAX_BODY_BYTES:
+        most = MAX_DEFINITIONS_BYTES if url.path.startswith("/api/definitions") else MAX_BODY_BYTES
+        if not 0 <= length <= most:
             self.send_error(400 if length < 0 else 413)
             return
         body = self.rfile.read(length) if length else b""

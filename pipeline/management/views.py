@@ -618,8 +618,10 @@ def definitions_view(queues: list[dict], topology: dict, limits: dict, users: di
            "arguments": q["arguments"]} for q in queues if not q.get("exclusive")]
     xs = [{k: x[k] for k in ("name", "vhost", "type", "durable", "auto_delete", "internal", "arguments")}
           for x in exchanges_view(topology) if x["name"] and not x["name"].startswith("amq.")]
+    exported = {q["name"] for q in qs}          # not the bindings of the queues left out (exclusive ones)
     bs = [{k: b[k] for k in ("source", "vhost", "destination", "destination_type", "routing_key", "arguments")}
-          for b in bindings_view(topology, []) if b["source"]]
+          for b in bindings_view(topology, []) if b["source"]
+          and (b["destination_type"] == "exchange" or b["destination"] in exported)]
     if vhost_only:
         strip = (lambda rows: [{k: v for k, v in r.items() if k != "vhost"} for r in rows])
         return {"rabbit_version": API_VERSION, "parameters": strip(parameters), "policies": [],

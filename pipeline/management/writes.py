@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import json
 from urllib.parse import quote, quote_plus
 
@@ -294,28 +295,19 @@ def definitions_plan(data: dict, users: dict[str, str], path_vhost: str | None) 
     limits, queues, exchanges, bindings. ``path_vhost``: the vhost of ``/api/definitions/VHOST`` (items
     then need none of their own). What creditflow cannot honour is refused before anything is made:
     another vhost, a user it does not have (or with another password), a policy, a runtime parameter
-    other than vhost limits. Permissions are taken as they are: every user may do everything here."""
+    other than vhost limits. Permissions are taken as they are: every user may do everything here. A
+    vhost's own import leaves users and vhosts alone, as RabbitMQ's does."""
     def vhost_of(item: dict) -> None:
         name = path_vhost if path_vhost is not None else item.get("vhost", "undefined")
         if name != VHOST:
             raise BadRequest(["no_such_vhost", name if isinstance(name, str) else json.dumps(name)])
 
-    for item in data.get("vhosts", []):
-        if item.get("name") != VHOST:
-            raise BadRequest(f"creditflow serves the vhost '/' only, not {json.dumps(item.get('name'))}")
-    for item in data.get("users", []):
-        name, stored = item.get("name"), item.get("password_hash")
-        if name not in users:
-            raise BadRequest(f"user {json.dumps(name)} is not one of this broker's (its users come from "
-                             "`creditflow serve --user NAME:PASSWORD`)")
-        try:
-            salt = base64.b64decode(stored or "", validate=True)[:4]
-        except ValueError:
-            raise BadRequest(["not_base64", stored]) from None
-        if item.get("hashing_algorithm", HASHING_ALGORITHM) != HASHING_ALGORITHM or \
-                password_hash(users[name], salt) != stored:
-            raise BadRequest(f"user {json.dumps(name)} has another password here (its users come from "
-                             "`creditflow serve --user NAME:PASSWORD`)")
+    if path_vhost is None:          # a vhost's own import (``/api/definitions/VHOST``) leaves these alone
+        for item in data.get("vhosts", []):
+            if item.get("name") != VHOST:
+                raise BadRequest(f"creditflow serves the vhost '/' only, not {json.dumps(item.get('name'))}")
+        for item in data.get("users", []):
+            _check_user(item, users)
     if data.get("policies"):
         raise BadRequest("creditflow has no policies: give queues their arguments instead")
     plan: list[tuple[str, dict]] = []
@@ -338,6 +330,9 @@ def definitions_plan(data: dict, users: dict[str, str], path_vhost: str | None) 
                                   "internal": boolean(item, "internal"), "arguments": arguments(item)}))
     for item in data.get("bindings", []):
         vhost_of(item)
+        if item.get("destination_type", "queue") not in ("queue", "exchange"):
+            raise BadRequest(f"destination_type {json.dumps(item.get('destination_type'))} is neither queue nor "
+                             "exchange")
         key = item.get("routing_key", "")
         fields = {"routing_key": key if isinstance(key, str) else json.dumps(key), "arguments": arguments(item)}
         source = _name(item, "source")
@@ -348,6 +343,23 @@ def definitions_plan(data: dict, users: dict[str, str], path_vhost: str | None) 
             plan.append(("exchange", {"op": "bind", "exchange": source, "queue": _name(item, "destination"),
                                       **fields}))
     return plan
+
+
+def _check_user(item: dict, users: dict[str, str]) -> None:
+    """A user in an import must be one of this broker's, with the same password (its hash checked)."""
+    name, stored = item.get("name"), item.get("password_hash")
+    where = "(its users come from `creditflow serve --user NAME:PASSWORD`)"
+    if not isinstance(name, str) or name not in users:
+        raise BadRequest(f"user {json.dumps(name)} is not one of this broker's {where}")
+    if not isinstance(stored, str) or not stored:
+        raise BadRequest(f"user {json.dumps(name)} comes without a password_hash {where}")
+    try:
+        salt = base64.b64decode(stored, validate=True)[:4]
+    except ValueError:
+        raise BadRequest(["not_base64", stored]) from None
+    if item.get("hashing_algorithm", HASHING_ALGORITHM) != HASHING_ALGORITHM or \
+            not hmac.compare_digest(password_hash(users[name], salt), stored):
+        raise BadRequest(f"user {json.dumps(name)} has another password here {where}")
 
 
 def _name(item: dict, field: str) -> str:
