@@ -50,8 +50,8 @@ STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share i
 CTL_TIMEOUT_S = 10.0
 CLIENT_TIMEOUT_S = 30.0          # an HTTP client silent this long loses its connection
 MAX_BODY_BYTES = 64 * 1024       # a PUT's body (``{"value": N}``); a longer one is refused 413
-MAX_DEFINITIONS_BYTES = 20 * 1024 * 1024  # an imported definitions document: the limit RabbitMQ put on them
-                                          # from 3.11.24 (management.http.max_body_size; 3.10.8 has none)
+MAX_DEFINITIONS_BYTES = 20 * 1024 * 1024  # an imported definitions document: the limit later RabbitMQ releases
+                                          # put on them (for CVE-2023-46118; 3.10.8 has none)
 REALM = 'Basic realm="RabbitMQ Management"'
 NOT_FOUND = {"error": "Object Not Found", "reason": "Not Found"}
 LIVE_PAGE = (Path(__file__).with_name("live.html")).read_bytes()   # the live page at ``/`` (it logs in itself)
