@@ -245,7 +245,7 @@ def test_definitions_are_exported_as_rabbitmq_exports_them_with_its_password_has
                               "arguments": {}, "properties_key": "m"}]}
     queues = [{"name": "q", "durable": True, "auto_delete": False, "exclusive": False, "arguments": {"x-max-length": 5}},
               {"name": "mine", "durable": False, "auto_delete": False, "exclusive": True, "arguments": {}}]
-    d = definitions_view(queues, topology, {"max-queues": 50}, {"guest": "guest"}, salt=lambda n: salt)
+    d = definitions_view(queues, topology, {"max-queues": 50}, {"guest": "guest"}, salt=lambda name: salt)
     assert d["users"] == [{"name": "guest", "password_hash": RABBITMQ_GUEST_HASH, "hashing_algorithm":
                            "rabbit_password_hashing_sha256", "tags": ["administrator"], "limits": {}}]
     assert d["permissions"] == [{"user": "guest", "vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}]
@@ -355,6 +355,34 @@ def test_a_fault_behind_a_request_is_answered_500_not_a_dropped_connection(capsy
     assert handle(app, "PUT", "/api/queues/%2F/q", b"{}")[::2] == (500, {
         "error": "internal_server_error", "reason": "the management API failed on this request"})
     assert "RuntimeError: planted" in capsys.readouterr().err
+
+
+def test_users_permissions_policies_and_parameters_read_as_rabbitmq_shapes_them():
+    broker = FakeBroker(list_vhost_limits={"ok": True, "limits": {"max-queues": 50}})
+    app = App(broker, {"guest": "guest", "app": "s3cret"})
+    users = handle(app, "GET", "/api/users")[2]
+    assert [(u["name"], u["tags"], u["hashing_algorithm"]) for u in users] == [
+        ("app", ["administrator"], "rabbit_password_hashing_sha256"), ("guest", ["administrator"],
+                                                                       "rabbit_password_hashing_sha256")]
+    salt = base64.b64decode(users[1]["password_hash"])[:4]
+    assert users[1]["password_hash"] == writes.password_hash("guest", salt)            # RabbitMQ's scheme
+    assert handle(app, "GET", "/api/users")[2] == users                                  # the same each time
+    assert handle(app, "GET", "/api/users/app")[::2] == (200, users[0])
+    assert handle(app, "GET", "/api/users/nobody")[::2] == (404, NOT_FOUND)
+    every = {"vhost": "/", "configure": ".*", "write": ".*", "read": ".*"}
+    assert handle(app, "GET", "/api/permissions")[2] == [{"user": "app", **every}, {"user": "guest", **every}]
+    assert handle(app, "GET", "/api/permissions/%2F/guest")[::2] == (200, {"user": "guest", **every})
+    assert handle(app, "GET", "/api/permissions/%2F/nobody")[::2] == (404, NOT_FOUND)
+    assert handle(app, "GET", "/api/users/guest/permissions")[2] == [{"user": "guest", **every}]
+    assert handle(app, "GET", "/api/vhosts/%2F/permissions")[2][0] == {"vhost": "/", "user": "app", "configure": ".*",
+                                                                      "write": ".*", "read": ".*"}
+    for path in ("/api/policies", "/api/policies/%2F", "/api/operator-policies", "/api/topic-permissions",
+                 "/api/global-parameters", "/api/users/without-permissions", "/api/users/guest/topic-permissions"):
+        assert handle(app, "GET", path)[::2] == (200, []), path
+    limits = [{"value": {"max-queues": 50}, "vhost": "/", "component": "vhost-limits", "name": "limits"}]
+    assert handle(app, "GET", "/api/parameters")[2] == handle(app, "GET", "/api/parameters/vhost-limits")[2] == limits
+    assert handle(app, "GET", "/api/parameters/shovel")[2] == []
+    assert handle(app, "PUT", "/api/users/app", b"{}")[:2] == (405, {"Allow": "HEAD, GET, OPTIONS"})   # read only
 
 
 def test_values_are_printed_as_erlang_prints_them():
@@ -571,6 +599,11 @@ def test_rabbitmqadmin_declares_closes_connections_purges_deletes_and_sets_limit
         gone = admin("delete", "exchange", "name=adm.x")
         assert gone.returncode == 1 and "Not found: /api/exchanges/%2F/adm.x" in gone.stderr
         assert admin("delete", "queue", "name=adm.q").stdout.strip() == "queue deleted"
+        assert [line.split("\t")[0] for line in admin("-f", "tsv", "list", "users").stdout.splitlines()] == [
+            "name", "guest"]
+        assert admin("-f", "tsv", "list", "permissions").stdout.splitlines()[1].split("\t") == [
+            "/", ".*", ".*", "guest", ".*"]
+        assert admin("list", "policies").stdout.strip() == "No items"
 
         name = wait_until(lambda: call(port, "GET", "/api/connections")[2], what="the connection listed")[0]["name"]
         assert admin("close", "connection", f"name={name}").stdout.strip() == "connection closed"

@@ -44,7 +44,7 @@ from ipc.errors import CorruptRecord, PeerGone
 from pipeline.ctlclient import BrokerNotRunning, CtlClient
 from pipeline.management import writes
 from pipeline.management.views import (VHOST, RateBook, Views, bindings_view, definitions_view, exchanges_view,
-                                       select_columns, whoami)
+                                       parameters_view, permissions_view, select_columns, users_view, whoami)
 
 STATUS_MAX_AGE_S = 0.25          # requests within this long of a status share it
 CTL_TIMEOUT_S = 10.0
@@ -275,6 +275,9 @@ class App:
             if len(parts) == 2 and parts[1] != VHOST:
                 return 404, NOT_FOUND
             return 200, writes.vhost_limits_view(self.source.command("list_vhost_limits").get("limits") or {})
+        if parts[:1] in (["users"], ["permissions"], ["topic-permissions"], ["policies"], ["operator-policies"],
+                         ["parameters"], ["global-parameters"]) or parts[:1] == ["vhosts"] and len(parts) == 3:
+            return self.access(parts)
         views = Views(self.source.get(), self.source.rates)
         if parts == ["overview"]:
             return 200, views.overview()
@@ -331,6 +334,40 @@ class App:
             return 200, views.processes_view()
         if parts == ["creditflow", "links"]:
             return 200, views.links_view()
+        return 404, NOT_FOUND
+
+    def access(self, parts: list[str]) -> tuple[int, object]:
+        """Users, permissions, policies and parameters, read only: the broker's users (each may do
+        everything), no policies, the vhost's limits as its one parameter."""
+        users, permissions = users_view(self.users), permissions_view(self.users)
+        found = (lambda rows: (200, rows[0]) if rows else (404, NOT_FOUND))
+        kind, rest = parts[0], parts[1:]
+        if kind == "users":
+            if rest == ["without-permissions"]:
+                return 200, []
+            if len(rest) == 2 and rest[1] in ("permissions", "topic-permissions"):
+                if rest[0] not in self.users:
+                    return 404, NOT_FOUND
+                return 200, [p for p in permissions if p["user"] == rest[0]] if rest[1] == "permissions" else []
+            if len(rest) <= 1:
+                return (200, users) if not rest else found([u for u in users if u["name"] == rest[0]])
+        elif kind == "vhosts":                                      # /api/vhosts/VHOST/permissions
+            if rest[0] != VHOST:
+                return 404, NOT_FOUND
+            if rest[1] == "permissions":
+                return 200, [{"vhost": VHOST, **{k: v for k, v in p.items() if k != "vhost"}} for p in permissions]
+            if rest[1] == "topic-permissions":
+                return 200, []
+        elif kind == "permissions" and len(rest) <= 2:
+            if len(rest) == 2:
+                return found([p for p in permissions if p["vhost"] == rest[0] and p["user"] == rest[1]])
+            return 200, [p for p in permissions if not rest or p["vhost"] == rest[0]]
+        elif kind in ("topic-permissions", "policies", "operator-policies", "global-parameters") and len(rest) <= 1:
+            return 200, []
+        elif kind == "parameters" and len(rest) <= 2:
+            rows = parameters_view(self.source.command("list_vhost_limits").get("limits") or {})
+            return 200, [r for r in rows if (not rest or r["component"] == rest[0])
+                         and (len(rest) < 2 or r["vhost"] == rest[1])]
         return 404, NOT_FOUND
 
     def metrics(self) -> tuple[int, dict, bytes]:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
-import os
 
 from pipeline.management.writes import HASHING_ALGORITHM, password_hash, properties_key
 from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, ReaderStats, SchemaMismatch, Snapshot,
@@ -605,15 +605,35 @@ def bindings_view(topology: dict, queues) -> list[dict]:
 
 
 # -- definitions (``GET /api/definitions``) --------------------------------------------------------------------
+def user_salt(name: str) -> bytes:
+    """The 4-byte salt of a user's exported hash: its name's, so the hash is the same at every request."""
+    return hashlib.sha256(b"creditflow user " + name.encode()).digest()[:4]
+
+
+def users_view(users: dict[str, str], salt=user_salt) -> list[dict]:
+    """``/api/users``: every user an ``administrator`` (every user may do everything here), hashed as RabbitMQ
+    hashes passwords."""
+    return [{"name": name, "password_hash": password_hash(password, salt(name)), "hashing_algorithm":
+             HASHING_ALGORITHM, "tags": ["administrator"], "limits": {}} for name, password in sorted(users.items())]
+
+
+def permissions_view(users: dict[str, str]) -> list[dict]:
+    """``/api/permissions``: every user may configure, write and read everything in the one vhost."""
+    return [{"user": name, "vhost": VHOST, "configure": ".*", "write": ".*", "read": ".*"} for name in sorted(users)]
+
+
+def parameters_view(limits: dict) -> list[dict]:
+    """``/api/parameters``: the vhost's limits, the one runtime parameter creditflow has."""
+    return [{"value": dict(limits), "vhost": VHOST, "component": "vhost-limits", "name": "limits"}] if limits else []
+
+
 def definitions_view(queues: list[dict], topology: dict, limits: dict, users: dict[str, str],
-                     vhost_only: bool = False, salt=None) -> dict:
+                     vhost_only: bool = False, salt=user_salt) -> dict:
     """What RabbitMQ 3.10.8 exports: users (every one may do everything here: ``administrator``, all
     permissions), the one vhost, its limits as a ``vhost-limits`` parameter, every queue but the exclusive
     ones, the exchanges but the default and ``amq.`` ones, the bindings but the default exchange's.
     ``vhost_only`` (``/api/definitions/%2F``): the vhost's part, without vhost fields in its items."""
-    salt = salt or os.urandom
-    parameters = [{"value": dict(limits), "vhost": VHOST, "component": "vhost-limits", "name": "limits"}] \
-        if limits else []
+    parameters = parameters_view(limits)
     qs = [{"name": q["name"], "vhost": VHOST, "durable": q["durable"], "auto_delete": q["auto_delete"],
            "arguments": q["arguments"]} for q in queues if not q.get("exclusive")]
     xs = [{k: x[k] for k in ("name", "vhost", "type", "durable", "auto_delete", "internal", "arguments")}
@@ -628,11 +648,6 @@ def definitions_view(queues: list[dict], topology: dict, limits: dict, users: di
                 "queues": strip(qs), "exchanges": strip(xs), "bindings": strip(bs)}
     return {"rabbit_version": API_VERSION, "rabbitmq_version": API_VERSION, "product_name": PRODUCT,
             "product_version": PRODUCT_VERSION,
-            "users": [{"name": name, "password_hash": password_hash(password, salt(4)),
-                       "hashing_algorithm": HASHING_ALGORITHM, "tags": ["administrator"], "limits": {}}
-                      for name, password in sorted(users.items())],
-            "vhosts": [{"name": VHOST}],
-            "permissions": [{"user": name, "vhost": VHOST, "configure": ".*", "write": ".*", "read": ".*"}
-                            for name in sorted(users)],
+            "users": users_view(users, salt), "vhosts": [{"name": VHOST}], "permissions": permissions_view(users),
             "topic_permissions": [], "parameters": parameters, "global_parameters": [], "policies": [],
             "queues": qs, "exchanges": xs, "bindings": bs}
