@@ -839,3 +839,41 @@ def test_serve_imports_a_definitions_file_at_start_and_refuses_a_bad_one_before_
                                              str(bad)), capture_output=True, text=True, timeout=30)
         assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and reason in done.stderr, done.stderr
         assert not data.exists() or not any(data.iterdir())
+
+
+@pytest.mark.processes
+def test_health_checks_vhosts_and_bindings_per_queue_and_exchange_answer_as_rabbitmq(start_broker):
+    """Each code and body as a RabbitMQ 3.10.8 node answered the same requests."""
+    broker = start_broker()
+    port = broker.info["management_port"]
+    assert call(port, "PUT", "/api/queues/%2F/q1", {})[0] == 201
+    assert call(port, "PUT", "/api/exchanges/%2F/x1", {"type": "direct"})[0] == 201
+    assert call(port, "POST", "/api/bindings/%2F/e/x1/q/q1", {"routing_key": "k"})[0] == 201
+    node = call(port, "GET", "/api/overview")[2]["node"]
+    vhost = {"name": "/", "description": "Default virtual host", "tags": [], "default_queue_type": "undefined",
+             "metadata": {"description": "Default virtual host", "tags": []}, "tracing": False,
+             "cluster_state": {node: "running"}}
+    assert call(port, "GET", "/api/vhosts/%2F")[::2] == (200, vhost)
+    assert call(port, "GET", "/api/vhosts")[::2] == (200, [vhost])
+    assert call(port, "GET", "/api/vhosts/other")[::2] == (404, NOT_FOUND)
+    assert call(port, "GET", "/api/cluster-name")[::2] == (200, {"name": node})
+    assert call(port, "GET", "/api/health/checks/virtual-hosts")[::2] == (200, {"status": "ok"})
+    assert call(port, "GET", f"/api/health/checks/port-listener/{broker.port}")[::2] == (
+        200, {"status": "ok", "port": broker.port})
+    assert call(port, "GET", "/api/health/checks/port-listener/1")[::2] == (503, {
+        "status": "failed", "reason": "No active listener", "missing": 1, "ports": [broker.port, port]})
+    assert call(port, "GET", "/api/health/checks/port-listener/x")[::2] == (
+        400, {"error": "bad_request", "reason": "Invalid port"})
+    for name in ("amqp", "amqp091", "amqp-0-9-1"):
+        assert call(port, "GET", f"/api/health/checks/protocol-listener/{name}")[::2] == (
+            200, {"status": "ok", "protocol": "amqp"})
+    assert call(port, "GET", "/api/health/checks/protocol-listener/mqtt")[::2] == (503, {
+        "status": "failed", "reason": "No active listener", "missing": "mqtt", "protocols": ["amqp", "http"]})
+    implicit = {"source": "", "vhost": "/", "destination": "q1", "destination_type": "queue", "routing_key": "q1",
+                "arguments": {}, "properties_key": "q1"}
+    bound = {"source": "x1", "vhost": "/", "destination": "q1", "destination_type": "queue", "routing_key": "k",
+             "arguments": {}, "properties_key": "k"}
+    assert call(port, "GET", "/api/queues/%2F/q1/bindings")[::2] == (200, [implicit, bound])
+    assert call(port, "GET", "/api/exchanges/%2F/x1/bindings/source")[::2] == (200, [bound])
+    assert call(port, "GET", "/api/exchanges/%2F/x1/bindings/destination")[::2] == (200, [])
+    assert call(port, "GET", "/api/exchanges/%2F/nope/bindings/source")[::2] == (200, [])

@@ -269,8 +269,6 @@ class App:
     def api(self, parts: list[str], user: str) -> tuple[int, object]:
         if parts == ["whoami"]:
             return 200, whoami(user)
-        if parts == ["vhosts"]:
-            return 200, [{"name": VHOST, "description": "Default virtual host", "tracing": False}]
         if parts[:1] == ["vhost-limits"] and len(parts) <= 2:
             if len(parts) == 2 and parts[1] != VHOST:
                 return 404, NOT_FOUND
@@ -281,6 +279,31 @@ class App:
         views = Views(self.source.get(), self.source.rates)
         if parts == ["overview"]:
             return 200, views.overview()
+        if parts[:1] == ["vhosts"] and len(parts) <= 2:
+            if len(parts) == 2 and parts[1] != VHOST:
+                return 404, NOT_FOUND
+            return 200, views.vhost() if len(parts) == 2 else [views.vhost()]
+        if parts == ["cluster-name"]:
+            return 200, {"name": views.node}
+        if parts == ["health", "checks", "virtual-hosts"]:
+            return 200, {"status": "ok"}
+        if parts[:3] == ["health", "checks", "port-listener"] and len(parts) == 4:
+            return views.port_listener(parts[3])
+        if parts[:3] == ["health", "checks", "protocol-listener"] and len(parts) == 4:
+            return views.protocol_listener(parts[3])
+        if (parts[:1] == ["queues"] and len(parts) == 4 and parts[3] == "bindings"
+                or parts[:1] == ["exchanges"] and len(parts) == 5 and parts[3] == "bindings"
+                and parts[4] in ("source", "destination")):
+            if parts[1] != VHOST:
+                return 404, NOT_FOUND
+            if parts[0] == "queues":           # a missing queue lists its implicit binding, as RabbitMQ's does
+                return 200, [r for r in bindings_view(self.source.topology(), [parts[2]])
+                             if r["destination_type"] == "queue" and r["destination"] == parts[2]]
+            rows = bindings_view(self.source.topology(), [q["name"] for q in views.queues()])
+            name = writes.exchange_name(parts[2])
+            if parts[4] == "source":
+                return 200, [r for r in rows if r["source"] == name]
+            return 200, [r for r in rows if r["destination_type"] == "exchange" and r["destination"] == name]
         if parts[:1] == ["nodes"] and len(parts) <= 2:
             nodes = views.nodes()
             if len(parts) == 2:

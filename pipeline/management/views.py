@@ -36,6 +36,8 @@ from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, Read
                                        WatchdogStats, stats_of)
 
 VHOST = "/"
+PROTOCOL_ALIASES = {"amqp091": "amqp", "amqp-0-9-1": "amqp", "amqp0-9-1": "amqp", "amqp0.9.1": "amqp",
+                    "amqp-0.9.1": "amqp", "amqps": "amqp/ssl", "amqp091/ssl": "amqp/ssl"}
 API_VERSION = "3.10.8"           # the RabbitMQ release whose API shapes these views follow
 PRODUCT = "creditflow"
 PRODUCT_VERSION = "0.1.0"
@@ -279,16 +281,49 @@ class Views:
             on.append("file_descriptor_limit")
         return on
 
+    def listeners(self) -> list[dict]:
+        """What the broker listens on: AMQP, AMQPS when ``--tls-port`` is given, and this API (with /metrics)."""
+        host = self.status.get("host", "127.0.0.1")
+        rows = [{"node": self.node, "protocol": "amqp", "ip_address": host, "port": self.status.get("port")}]
+        if self.status.get("tls_port"):
+            rows.append({"node": self.node, "protocol": "amqp/ssl", "ip_address": host,
+                         "port": self.status["tls_port"]})
+        if self.status.get("management_port"):
+            rows.append({"node": self.node, "protocol": "http", "ip_address": "127.0.0.1",
+                         "port": self.status["management_port"]})
+        return rows
+
+    def vhost(self) -> dict:
+        """``/api/vhosts/%2F``: the one vhost, running on this node."""
+        return {"name": VHOST, "description": "Default virtual host", "tags": [], "default_queue_type": "undefined",
+                "metadata": {"description": "Default virtual host", "tags": []}, "tracing": False,
+                "cluster_state": {self.node: "running"}}
+
+    def port_listener(self, port: str) -> tuple[int, dict]:
+        """``/api/health/checks/port-listener/PORT``: 200 while something of the broker's listens there."""
+        if not port.isdigit():
+            return 400, {"error": "bad_request", "reason": "Invalid port"}
+        ports = [row["port"] for row in self.listeners()]
+        if int(port) in ports:
+            return 200, {"status": "ok", "port": int(port)}
+        return 503, {"status": "failed", "reason": "No active listener", "missing": int(port), "ports": ports}
+
+    def protocol_listener(self, protocol: str) -> tuple[int, dict]:
+        """``/api/health/checks/protocol-listener/PROTOCOL`` (amqp091, amqp-0-9-1 and amqps read as RabbitMQ
+        reads them)."""
+        name = PROTOCOL_ALIASES.get(protocol.lower(), protocol)
+        protocols = list(dict.fromkeys(row["protocol"] for row in self.listeners()))
+        if name in protocols:
+            return 200, {"status": "ok", "protocol": name}
+        return 503, {"status": "failed", "reason": "No active listener", "missing": protocol,
+                     "protocols": protocols}
+
     # /api/overview
     def overview(self) -> dict:
         totals = self.totals()
         depths = self.queue_depths()
         connections, channels, queues = self.live("reader"), self.live("channel"), self.queues()
-        listeners = [{"node": self.node, "protocol": "amqp", "ip_address": self.status.get("host", "127.0.0.1"),
-                      "port": self.status.get("port")}]
-        if self.status.get("management_port"):
-            listeners.append({"node": self.node, "protocol": "http", "ip_address": "127.0.0.1",
-                              "port": self.status["management_port"]})
+        listeners = self.listeners()
         routing = self.status.get("routing") or {}
         return {
             "management_version": API_VERSION, "rates_mode": "basic", "rabbitmq_version": API_VERSION,
