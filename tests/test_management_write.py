@@ -877,3 +877,22 @@ def test_health_checks_vhosts_and_bindings_per_queue_and_exchange_answer_as_rabb
     assert call(port, "GET", "/api/exchanges/%2F/x1/bindings/source")[::2] == (200, [bound])
     assert call(port, "GET", "/api/exchanges/%2F/x1/bindings/destination")[::2] == (200, [])
     assert call(port, "GET", "/api/exchanges/%2F/nope/bindings/source")[::2] == (200, [])
+
+
+
+@pytest.mark.processes
+def test_a_connections_channels_and_the_vhosts_connections_and_channels_are_listed(start_broker):
+    import pika
+    broker = start_broker()
+    port = broker.info["management_port"]
+    with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
+        conn.channel()
+        conn.channel()
+        name = wait_until(lambda: call(port, "GET", "/api/connections")[2], what="the connection listed")[0]["name"]
+        channels = wait_until(lambda: len(got := call(port, "GET", "/api/connections/" + quote(name, safe="")
+                                                      + "/channels")[2]) == 2 and got, what="its two channels")
+        assert sorted(c["name"] for c in channels) == [f"{name} (1)", f"{name} (2)"]
+        assert [c["name"] for c in call(port, "GET", "/api/vhosts/%2F/connections")[2]] == [name]
+        assert len(call(port, "GET", "/api/vhosts/%2F/channels")[2]) == 2
+        assert call(port, "GET", "/api/vhosts/other/channels")[::2] == (404, NOT_FOUND)
+        assert call(port, "GET", "/api/connections/nope/channels")[::2] == (404, NOT_FOUND)   # RabbitMQ: 500

@@ -274,11 +274,20 @@ class App:
                 return 404, NOT_FOUND
             return 200, writes.vhost_limits_view(self.source.command("list_vhost_limits").get("limits") or {})
         if parts[:1] in (["users"], ["permissions"], ["topic-permissions"], ["policies"], ["operator-policies"],
-                         ["parameters"], ["global-parameters"]) or parts[:1] == ["vhosts"] and len(parts) == 3:
+                         ["parameters"], ["global-parameters"]) \
+                or parts[:1] == ["vhosts"] and len(parts) == 3 and parts[2] in ("permissions", "topic-permissions"):
             return self.access(parts)
         views = Views(self.source.get(), self.source.rates)
         if parts == ["overview"]:
             return 200, views.overview()
+        if parts[:1] == ["vhosts"] and len(parts) == 3 and parts[2] in ("connections", "channels"):
+            if parts[1] != VHOST:
+                return 404, NOT_FOUND
+            return 200, views.connections() if parts[2] == "connections" else views.channels()
+        if parts[:1] == ["connections"] and len(parts) == 3 and parts[2] == "channels":
+            if parts[1] not in [c["name"] for c in views.connections()]:
+                return 404, NOT_FOUND
+            return 200, [c for c in views.channels() if c["connection_details"]["name"] == parts[1]]
         if parts[:1] == ["vhosts"] and len(parts) <= 2:
             if len(parts) == 2 and parts[1] != VHOST:
                 return 404, NOT_FOUND
