@@ -382,6 +382,11 @@ def test_users_permissions_policies_and_parameters_read_as_rabbitmq_shapes_them(
     limits = [{"value": {"max-queues": 50}, "vhost": "/", "component": "vhost-limits", "name": "limits"}]
     assert handle(app, "GET", "/api/parameters")[2] == handle(app, "GET", "/api/parameters/vhost-limits")[2] == limits
     assert handle(app, "GET", "/api/parameters/shovel")[2] == []
+    assert handle(app, "GET", "/api/parameters/vhost-limits/%2F/limits")[::2] == (200, limits[0])
+    for path in ("/api/parameters/vhost-limits/%2F/other", "/api/parameters/vhost-limits/other",
+                 "/api/policies/other", "/api/permissions/%2F", "/api/global-parameters/x",
+                 "/api/topic-permissions/%2F"):
+        assert handle(app, "GET", path)[::2] == (404, NOT_FOUND), path
     assert handle(app, "PUT", "/api/users/app", b"{}")[:2] == (405, {"Allow": "HEAD, GET, OPTIONS"})   # read only
 
 
@@ -864,11 +869,13 @@ def test_health_checks_vhosts_and_bindings_per_queue_and_exchange_answer_as_rabb
         "status": "failed", "reason": "No active listener", "missing": 1, "ports": [broker.port, port]})
     assert call(port, "GET", "/api/health/checks/port-listener/x")[::2] == (
         400, {"error": "bad_request", "reason": "Invalid port"})
-    for name in ("amqp", "amqp091", "amqp-0-9-1"):
+    for name in ("amqp", "AMQP", "amqp091", "amqp0_9_1"):
         assert call(port, "GET", f"/api/health/checks/protocol-listener/{name}")[::2] == (
             200, {"status": "ok", "protocol": "amqp"})
-    assert call(port, "GET", "/api/health/checks/protocol-listener/mqtt")[::2] == (503, {
+    assert call(port, "GET", "/api/health/checks/protocol-listener/MQTT")[::2] == (503, {
         "status": "failed", "reason": "No active listener", "missing": "mqtt", "protocols": ["amqp", "http"]})
+    assert call(port, "GET", "/api/health/checks/protocol-listener/management")[0] == 200
+    assert call(port, "GET", "/api/health/checks/port-listener/%C2%B2")[0] == 400
     implicit = {"source": "", "vhost": "/", "destination": "q1", "destination_type": "queue", "routing_key": "q1",
                 "arguments": {}, "properties_key": "q1"}
     bound = {"source": "x1", "vhost": "/", "destination": "q1", "destination_type": "queue", "routing_key": "k",

@@ -390,16 +390,20 @@ class App:
                 return 200, [{"vhost": VHOST, **{k: v for k, v in p.items() if k != "vhost"}} for p in permissions]
             if rest[1] == "topic-permissions":
                 return 200, []
-        elif kind == "permissions" and len(rest) <= 2:
-            if len(rest) == 2:
+        elif kind == "permissions" and len(rest) in (0, 2):
+            if rest:
                 return found([p for p in permissions if p["vhost"] == rest[0] and p["user"] == rest[1]])
-            return 200, [p for p in permissions if not rest or p["vhost"] == rest[0]]
-        elif kind in ("topic-permissions", "policies", "operator-policies", "global-parameters") and len(rest) <= 1:
+            return 200, permissions
+        elif kind in ("topic-permissions", "global-parameters") and not rest:
             return 200, []
-        elif kind == "parameters" and len(rest) <= 2:
-            rows = parameters_view(self.source.command("list_vhost_limits").get("limits") or {})
-            return 200, [r for r in rows if (not rest or r["component"] == rest[0])
-                         and (len(rest) < 2 or r["vhost"] == rest[1])]
+        elif kind in ("policies", "operator-policies") and len(rest) <= 1:
+            return (200, []) if not rest or rest[0] == VHOST else (404, NOT_FOUND)
+        elif kind == "parameters" and len(rest) <= 3:
+            if len(rest) >= 2 and rest[1] != VHOST:
+                return 404, NOT_FOUND
+            rows = [r for r in parameters_view(self.source.command("list_vhost_limits").get("limits") or {})
+                    if not rest or r["component"] == rest[0]]
+            return found([r for r in rows if r["name"] == rest[2]]) if len(rest) == 3 else (200, rows)
         return 404, NOT_FOUND
 
     def metrics(self) -> tuple[int, dict, bytes]:

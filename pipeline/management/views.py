@@ -36,8 +36,10 @@ from pipeline.telemetry.schema import (ChannelStats, LinkStats, QueueStats, Read
                                        WatchdogStats, stats_of)
 
 VHOST = "/"
-PROTOCOL_ALIASES = {"amqp091": "amqp", "amqp-0-9-1": "amqp", "amqp0-9-1": "amqp", "amqp0.9.1": "amqp",
-                    "amqp-0.9.1": "amqp", "amqps": "amqp/ssl", "amqp091/ssl": "amqp/ssl"}
+PROTOCOL_ALIASES = {"amqp091": "amqp", "amqp0.9.1": "amqp", "amqp0-9-1": "amqp", "amqp0_9_1": "amqp",
+                    "amqps": "amqp/ssl", "management": "http", "ui": "http", "http_api": "http", "http1": "http"}
+# RabbitMQ's names for a protocol-listener health check, lowercased first (its AMQP 1.0 names are left out:
+# creditflow speaks 0-9-1 only, so a check for 1.0 fails)
 API_VERSION = "3.10.8"           # the RabbitMQ release whose API shapes these views follow
 PRODUCT = "creditflow"
 PRODUCT_VERSION = "0.1.0"
@@ -301,22 +303,23 @@ class Views:
 
     def port_listener(self, port: str) -> tuple[int, dict]:
         """``/api/health/checks/port-listener/PORT``: 200 while something of the broker's listens there."""
-        if not port.isdigit():
+        try:
+            number = int(port)
+        except ValueError:
             return 400, {"error": "bad_request", "reason": "Invalid port"}
         ports = [row["port"] for row in self.listeners()]
-        if int(port) in ports:
-            return 200, {"status": "ok", "port": int(port)}
-        return 503, {"status": "failed", "reason": "No active listener", "missing": int(port), "ports": ports}
+        if number in ports:
+            return 200, {"status": "ok", "port": number}
+        return 503, {"status": "failed", "reason": "No active listener", "missing": number, "ports": ports}
 
     def protocol_listener(self, protocol: str) -> tuple[int, dict]:
         """``/api/health/checks/protocol-listener/PROTOCOL`` (amqp091, amqp-0-9-1 and amqps read as RabbitMQ
         reads them)."""
-        name = PROTOCOL_ALIASES.get(protocol.lower(), protocol)
-        protocols = list(dict.fromkeys(row["protocol"] for row in self.listeners()))
+        name = PROTOCOL_ALIASES.get(protocol.lower(), protocol.lower())
+        protocols = [row["protocol"] for row in self.listeners()]
         if name in protocols:
             return 200, {"status": "ok", "protocol": name}
-        return 503, {"status": "failed", "reason": "No active listener", "missing": protocol,
-                     "protocols": protocols}
+        return 503, {"status": "failed", "reason": "No active listener", "missing": name, "protocols": protocols}
 
     # /api/overview
     def overview(self) -> dict:
