@@ -220,30 +220,41 @@ def _field(value, depth: int):
     return value
 
 
-def queue_declare(body: bytes) -> dict:
-    """The ctl ``declare_queue`` request's fields for ``PUT /api/queues/%2F/NAME``."""
-    data = body_object(body)
+def queue_fields(data: dict) -> dict:
+    """A queue's ctl ``declare_queue`` fields from a PUT's body or an imported document's queue."""
     return {"durable": boolean(data, "durable"), "auto_delete": boolean(data, "auto_delete"),
             "arguments": arguments(data)}
 
 
-def exchange_declare(body: bytes) -> dict:
-    """The ctl ``exchange`` declare's fields for ``PUT /api/exchanges/%2F/NAME`` (type direct if none)."""
-    data = body_object(body)
+def exchange_fields(data: dict) -> dict:
+    """An exchange's ctl ``exchange`` declare fields (type direct if none), from a PUT or an import."""
     kind = data.get("type", "direct")
     return {"kind": kind if isinstance(kind, str) else json.dumps(kind), "durable": boolean(data, "durable"),
             "auto_delete": boolean(data, "auto_delete"), "internal": boolean(data, "internal"),
             "arguments": arguments(data)}
 
 
-def binding(body: bytes) -> tuple[dict, str]:
-    """The ctl ``exchange`` bind's routing key and arguments for ``POST /api/bindings/...`` (a key that is
-    not text is its JSON), and the properties key of the binding it makes."""
-    data = body_object(body)
+def binding_fields(data: dict) -> dict:
+    """A binding's routing key (one that is not text is its JSON) and arguments, from a POST or an import."""
     key = data.get("routing_key", "")
-    key = key if isinstance(key, str) else json.dumps(key)
-    args = arguments(data)
-    return {"routing_key": key, "arguments": args}, properties_key(key, args)
+    return {"routing_key": key if isinstance(key, str) else json.dumps(key), "arguments": arguments(data)}
+
+
+def queue_declare(body: bytes) -> dict:
+    """The ctl ``declare_queue`` request's fields for ``PUT /api/queues/%2F/NAME``."""
+    return queue_fields(body_object(body))
+
+
+def exchange_declare(body: bytes) -> dict:
+    """The ctl ``exchange`` declare's fields for ``PUT /api/exchanges/%2F/NAME``."""
+    return exchange_fields(body_object(body))
+
+
+def binding(body: bytes) -> tuple[dict, str]:
+    """The ctl ``exchange`` bind's fields for ``POST /api/bindings/...``, and the properties key of the
+    binding it makes."""
+    fields = binding_fields(body_object(body))
+    return fields, properties_key(fields["routing_key"], fields["arguments"])
 
 
 def exchange_name(name: str) -> str:
@@ -319,22 +330,16 @@ def definitions_plan(data: dict, users: dict[str, str], path_vhost: str | None) 
         plan.append(("set_vhost_limits", {"value": item["value"]}))
     for item in data.get("queues", []):
         vhost_of(item)
-        plan.append(("declare_queue", {"queue": _name(item, "name"), "durable": boolean(item, "durable"),
-                                       "auto_delete": boolean(item, "auto_delete"), "arguments": arguments(item)}))
+        plan.append(("declare_queue", {"queue": _name(item, "name"), **queue_fields(item)}))
     for item in data.get("exchanges", []):
         vhost_of(item)
-        kind = item.get("type", "direct")
-        plan.append(("exchange", {"op": "declare", "exchange": _name(item, "name"),
-                                  "kind": kind if isinstance(kind, str) else json.dumps(kind),
-                                  "durable": boolean(item, "durable"), "auto_delete": boolean(item, "auto_delete"),
-                                  "internal": boolean(item, "internal"), "arguments": arguments(item)}))
+        plan.append(("exchange", {"op": "declare", "exchange": _name(item, "name"), **exchange_fields(item)}))
     for item in data.get("bindings", []):
         vhost_of(item)
         if item.get("destination_type", "queue") not in ("queue", "exchange"):
             raise BadRequest(f"destination_type {json.dumps(item.get('destination_type'))} is neither queue nor "
                              "exchange")
-        key = item.get("routing_key", "")
-        fields = {"routing_key": key if isinstance(key, str) else json.dumps(key), "arguments": arguments(item)}
+        fields = binding_fields(item)
         source = _name(item, "source")
         if item.get("destination_type") == "exchange":
             plan.append(("exchange", {"op": "bind_exchange", "source": source,
