@@ -316,14 +316,12 @@ class App:
         if parts[:1] == ["nodes"] and len(parts) <= 2:
             nodes = views.nodes()
             if len(parts) == 2:
-                found = [n for n in nodes if n["name"] == parts[1]]
-                return (200, found[0]) if found else (404, NOT_FOUND)
+                return _one([n for n in nodes if n["name"] == parts[1]])
             return 200, nodes
         if parts[:1] in (["connections"], ["channels"]) and len(parts) <= 2:
             rows = views.connections() if parts[0] == "connections" else views.channels()
             if len(parts) == 2:
-                found = [r for r in rows if r["name"] == parts[1]]
-                return (200, found[0]) if found else (404, NOT_FOUND)
+                return _one([r for r in rows if r["name"] == parts[1]])
             return 200, rows
         if parts[:1] == ["queues"] and len(parts) <= 3:
             if len(parts) == 3:
@@ -359,8 +357,7 @@ class App:
             rows = [r for r in rows if r["source"] == writes.exchange_name(parts[3]) and r["destination_type"] == kind
                     and r["destination"] == (writes.exchange_name(parts[5]) if kind == "exchange" else parts[5])]
             if len(parts) == 7:
-                found = [r for r in rows if r["properties_key"] == parts[6]]
-                return (200, found[0]) if found else (404, NOT_FOUND)
+                return _one([r for r in rows if r["properties_key"] == parts[6]])
             return 200, rows
         if parts == ["creditflow", "processes"]:
             return 200, views.processes_view()
@@ -372,7 +369,6 @@ class App:
         """Users, permissions, policies and parameters, read only: the broker's users (each may do
         everything), no policies, the vhost's limits as its one parameter."""
         users, permissions = users_view(self.users), permissions_view(self.users)
-        found = (lambda rows: (200, rows[0]) if rows else (404, NOT_FOUND))
         kind, rest = parts[0], parts[1:]
         if kind == "users":
             if rest == ["without-permissions"]:
@@ -382,7 +378,7 @@ class App:
                     return 404, NOT_FOUND
                 return 200, [p for p in permissions if p["user"] == rest[0]] if rest[1] == "permissions" else []
             if len(rest) <= 1:
-                return (200, users) if not rest else found([u for u in users if u["name"] == rest[0]])
+                return (200, users) if not rest else _one([u for u in users if u["name"] == rest[0]])
         elif kind == "vhosts":                                      # /api/vhosts/VHOST/permissions
             if rest[0] != VHOST:
                 return 404, NOT_FOUND
@@ -392,7 +388,7 @@ class App:
                 return 200, []
         elif kind == "permissions" and len(rest) in (0, 2):
             if rest:
-                return found([p for p in permissions if p["vhost"] == rest[0] and p["user"] == rest[1]])
+                return _one([p for p in permissions if p["vhost"] == rest[0] and p["user"] == rest[1]])
             return 200, permissions
         elif kind in ("topic-permissions", "global-parameters") and not rest:
             return 200, []
@@ -403,7 +399,7 @@ class App:
                 return 404, NOT_FOUND
             rows = [r for r in parameters_view(self.source.command("list_vhost_limits").get("limits") or {})
                     if not rest or r["component"] == rest[0]]
-            return found([r for r in rows if r["name"] == rest[2]]) if len(rest) == 3 else (200, rows)
+            return _one([r for r in rows if r["name"] == rest[2]]) if len(rest) == 3 else (200, rows)
         return 404, NOT_FOUND
 
     def metrics(self) -> tuple[int, dict, bytes]:
@@ -412,6 +408,11 @@ class App:
         registry = CollectorRegistry(auto_describe=False)
         registry.register(StatusCollector(self.source.get))
         return 200, {"Content-Type": CONTENT_TYPE_LATEST}, generate_latest(registry)
+
+
+def _one(rows: list) -> tuple[int, object]:
+    """The one row a path names, or 404 as RabbitMQ answers for none."""
+    return (200, rows[0]) if rows else (404, NOT_FOUND)
 
 
 def _json(body) -> bytes:
