@@ -118,7 +118,14 @@ class Outbox:
         data = encode_msg(msg, fds)
         if self.gone:
             return
-        self.queue.append((data, [os.dup(fd) for fd in fds]))
+        dups: list[int] = []
+        try:
+            for fd in fds:
+                dups.append(os.dup(fd))
+        except OSError:                 # out of descriptors: none of this message's are kept
+            _close_all(dups)
+            raise
+        self.queue.append((data, dups))
         self.flush_nowait()
 
     def flush_nowait(self) -> bool:

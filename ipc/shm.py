@@ -3,10 +3,13 @@
 Theory of operation
 -------------------
 The supervisor is the only process that creates or unlinks segments
-(:class:`SegmentOwner`); stages :func:`attach` by name, map the segment and
-close the descriptor at once, so a mapping is all they hold. Unlinking only
-removes the name: mappings stay valid until their holders close them or exit,
-so the supervisor may unlink a link's ring while its two stages still drain.
+(:class:`SegmentOwner`). A link's two stages are handed a descriptor of its
+ring (:func:`descriptor`, passed over their control sockets), never its name:
+they map it and close the descriptor at once, so a mapping is all they hold.
+Unlinking only removes the name: mappings and descriptors stay valid until
+their holders close them or exit, so the supervisor may unlink a link's ring
+while its two stages still drain, and even before one of them has mapped it
+(a channel that published and ended before its queue attached the ring).
 
 Every name is ``/creditflow-<run id>-<suffix>`` and the run id is
 ``<supervisor pid>x<4 hex digits>``. On Linux the segment appears as
@@ -149,6 +152,16 @@ def attach(name: str) -> Segment:
     return _map(mem, name)
 
 
+def descriptor(name: str) -> int:
+    """A new descriptor of the segment ``name``: what a process is given to map it, whatever then
+    becomes of the name. The caller closes it."""
+    try:
+        mem = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError:
+        raise SegmentNotFound(f"shared memory {name} does not exist") from None
+    return mem.fd
+
+
 def create_ring(owner: SegmentOwner, suffix: str, capacity_bytes: int) -> tuple[Segment, Ring]:
     """A new segment holding an initialised ring with ``capacity_bytes`` of data area."""
     capacity_bytes = (capacity_bytes + 7) & -8
@@ -156,9 +169,16 @@ def create_ring(owner: SegmentOwner, suffix: str, capacity_bytes: int) -> tuple[
     return seg, seg.ring(create=True)
 
 
-def attach_ring(name: str) -> tuple[Segment, Ring]:
-    """Attach to a segment made by :func:`create_ring` (checks the ring's header)."""
-    seg = attach(name)
+def attach_ring(name: str, fd: int | None = None) -> tuple[Segment, Ring]:
+    """Attach to a segment made by :func:`create_ring` (checks the ring's header): by its name, or
+    by ``fd``, a :func:`descriptor` of it (closed here), which maps it even once the name is gone."""
+    if fd is None:
+        seg = attach(name)
+    else:
+        try:
+            seg = Segment(name, mmap.mmap(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
     try:
         return seg, seg.ring(create=False)
     except BaseException:

@@ -135,12 +135,12 @@ class OutLink:
     __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "doorbell", "inbox", "endpoints", "flow",
                  "overflow", "staged", "records", "messages", "fragment_bytes")
 
-    def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int,
+    def __init__(self, link_id: int, peer: str, ring_name: str, ring_fd: int, peer_inbox_fd: int,
                  peer_doorbell_fd: int, flow: bool):
         self.link_id = link_id
         self.peer = peer
         self.peer_holder = 0
-        self.segment, self.ring = shm.attach_ring(ring_name)
+        self.segment, self.ring = shm.attach_ring(ring_name, ring_fd)
         self.endpoints, self.inbox, self.doorbell = peers.ENDPOINTS.take(peer_inbox_fd, peer_doorbell_fd)
         self.flow = flow
         self.overflow: collections.deque = collections.deque()
@@ -227,11 +227,11 @@ class InLink:
     __slots__ = ("link_id", "peer", "peer_holder", "segment", "ring", "inbox", "endpoints", "flow", "received",
                  "pieces", "more")
 
-    def __init__(self, link_id: int, peer: str, ring_name: str, peer_inbox_fd: int, flow: bool):
+    def __init__(self, link_id: int, peer: str, ring_name: str, ring_fd: int, peer_inbox_fd: int, flow: bool):
         self.link_id = link_id
         self.peer = peer
         self.peer_holder = 0
-        self.segment, self.ring = shm.attach_ring(ring_name)
+        self.segment, self.ring = shm.attach_ring(ring_name, ring_fd)
         self.endpoints, self.inbox, _ = peers.ENDPOINTS.take(peer_inbox_fd)
         self.flow = flow
         self.received = 0
@@ -389,25 +389,18 @@ class Stage:
                 link.token(TokenKind.BUMP, grant.amount)
 
     def attach(self, msg: dict, fds: list[int]) -> None:
+        """A link the supervisor made: ``fds`` are the ring's descriptor, then the peer's inbox (and, to
+        the sender, its doorbell). The ring comes as a descriptor, so what a peer wrote and then ended
+        is read here even if its name was unlinked before this attach arrived. A failure (out of
+        memory) raises: this stage cannot go on without the link, and is handled as a death, never
+        left to drop what it was sent."""
         spec = msg.get("spec")
-        try:
-            if msg["role"] == "out":
-                link = OutLink(msg["link"], msg["peer"], msg["ring"], fds[0], fds[1], msg["flow"])
-                self.out_links[link.link_id] = link
-            else:
-                link = InLink(msg["link"], msg["peer"], msg["ring"], fds[0], msg["flow"])
-                self.in_links[link.link_id] = link
-        except shm.SegmentNotFound:
-            # The link was torn down before this attach arrived (its other end ended and the
-            # supervisor unlinked the ring): its detach follows; there is nothing to attach.
-            # Any other failure (out of descriptors, of memory) raises: this stage cannot go on
-            # without the link, and is handled as a death, never left to drop what it was sent.
-            for fd in fds:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            return
+        if msg["role"] == "out":
+            link = OutLink(msg["link"], msg["peer"], msg["ring"], *fds[:3], msg["flow"])
+            self.out_links[link.link_id] = link
+        else:
+            link = InLink(msg["link"], msg["peer"], msg["ring"], *fds[:2], msg["flow"])
+            self.in_links[link.link_id] = link
         link.peer_holder = msg.get("peer_holder", 0)       # its id in body arenas (pipeline.broker.bodies)
         if spec:
             self.credit.set_peer_spec(link.link_id, CreditSpec(*spec))

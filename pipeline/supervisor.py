@@ -523,9 +523,22 @@ class Supervisor:
         r.links.add(link_id)
         spec_list = [spec.initial, spec.more_after] if spec is not None else None
         base = {"type": "attach", "link": link_id, "ring": seg.name, "flow": flow, "spec": spec_list}
-        self.tell(s, {**base, "role": "out", "peer": receiver, "peer_holder": r.holder},
-                  [r.inbox_w, r.doorbell.fileno()])
-        self.tell(r, {**base, "role": "in", "peer": sender, "peer_holder": s.holder}, [s.inbox_w])
+        try:
+            ring_fd = shm.descriptor(seg.name)
+        except OSError as exc:
+            self.log("error", [f"cannot make a ring from {sender} to {receiver}: {exc}"])
+            self.drop_link(link_id, receiver, "closed")
+            return None
+        try:
+            told = (self.tell(s, {**base, "role": "out", "peer": receiver, "peer_holder": r.holder},
+                              [ring_fd, r.inbox_w, r.doorbell.fileno()])
+                    and self.tell(r, {**base, "role": "in", "peer": sender, "peer_holder": s.holder},
+                                  [ring_fd, s.inbox_w]))
+        finally:
+            os.close(ring_fd)
+        if not told:        # out of descriptors: a link one end never hears of would lose what it carries
+            self.drop_link(link_id, receiver, "closed")
+            return None
         return link_id
 
     def link_between(self, sender: str, receiver: str) -> int | None:
@@ -534,13 +547,15 @@ class Supervisor:
                 return rec.link_id
         return None
 
-    def tell(self, proc: Proc, msg: dict, fds=()) -> None:
+    def tell(self, proc: Proc, msg: dict, fds=()) -> bool:
+        """Queue ``msg`` for ``proc``; False (and logged) when there are no descriptors to duplicate."""
         try:
             proc.outbox.put(msg, fds)
         except OSError as exc:          # out of descriptors for the duplicates
             self.log("error", [f"cannot send {msg.get('type')} to {proc.name}: {exc}"])
-            return
+            return False
         self.want_write(proc)
+        return True
 
     def want_write(self, proc: Proc) -> None:
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if len(proc.outbox) else 0)

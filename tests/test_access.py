@@ -172,7 +172,8 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
     broker.wait_for(lambda s: not s["fd"]["alarm"], what="the alarm to clear")
     with pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", broker.port)) as conn:
         # unconfirmed publishes: one whose channel waited for a link to q0 while descriptors were short
-        # may land after the alarm cleared (a suite run counted 21 of 22 at once); late, never lost
+        # may land after the alarm cleared; late, never lost (a channel that closed before q0's host had
+        # attached its ring once lost its publish: test_supervision has that case on its own)
         ch = conn.channel()
         deadline = time.monotonic() + 10
         while (held := ch.queue_declare("q0", passive=True).method.message_count) < len(conns) \

@@ -511,6 +511,36 @@ def test_a_queue_whose_host_was_killed_restarts_in_a_new_host_with_its_messages(
     conn.close()
 
 
+def test_a_publish_from_a_channel_that_ended_before_its_queue_attached_the_ring_is_not_lost(start_broker):
+    """A channel links to a queue, publishes and closes while the queue's host has not yet read the
+    supervisor's attach (stopped here; a loaded machine's turn does the same). The channel's end
+    unlinks the ring's name; the queue still maps the ring it was handed and takes the message."""
+    broker = start_broker("--pool", "1")
+    conn = connect(broker)
+    ch = conn.channel()
+    ch.queue_declare("late")
+    status = broker.wait_for(lambda s: s["processes"].get("queue-late", {}).get("alive"), what="the queue")
+    host_pid = status["hosts"][status["processes"]["queue-late"]["host"]]["pid"]
+    os.kill(host_pid, signal.SIGSTOP)
+    try:
+        other = conn.channel()                 # a new channel process: it has no link to the queue yet
+        other.basic_publish("", "late", b"published, then the channel closed")
+        other.close()
+        broker.wait_for(lambda s: not any(n.startswith("channel-") and n.endswith(f".{other.channel_number}")
+                                          and p["alive"] for n, p in s["processes"].items()),
+                        what="the publishing channel's end")
+    finally:
+        os.kill(host_pid, signal.SIGCONT)
+    deadline = time.monotonic() + 10
+    while (held := ch.queue_declare("late", passive=True).method.message_count) < 1 \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held == 1
+    assert ch.basic_get("late", auto_ack=True)[2] == b"published, then the channel closed"
+    assert broker.status()["processes"]["queue-late"]["restarts"] == 0
+    conn.close()
+
+
 @pytest.mark.processes
 def test_a_data_directory_too_deep_for_a_unix_socket_address_still_serves_ctl(start_broker):
     """sun_path holds 108 bytes; the control socket under a deeper data directory is reached anyway."""
