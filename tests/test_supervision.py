@@ -546,4 +546,5 @@ def test_a_data_directory_too_deep_for_a_unix_socket_address_still_serves_ctl(st
     """sun_path holds 108 bytes; the control socket under a deeper data directory is reached anyway."""
     broker = start_broker(name="d" * 110)
     assert len(str(broker.data_dir / "ctl.sock")) > 108
-    assert broker.status()["processes"]["store"]["state"] == "running"
+    # the store shows once it has reported its statistics: on a loaded machine, after the first status
+    broker.wait_for(lambda s: s["processes"].get("store", {}).get("state") == "running", what="the store")
