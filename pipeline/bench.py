@@ -48,7 +48,7 @@ def _median(values):
 def run_scenario(name: str, load_opts: dict, broker_opts: dict, runs: int, seconds: int, workdir: str) -> dict:
     from pipeline.loadgen.config import LoadConfig
     from pipeline.runner import execute
-    from pipeline.supervisor import BrokerConfig
+    from pipeline.broker.supervisor import BrokerConfig
 
     rows = []
     by_kind: list[dict] = []

@@ -279,7 +279,7 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
 
 
 def broker_config(args, data_dir: str, port: int):
-    from pipeline.supervisor import RING_BYTES, BrokerConfig
+    from pipeline.broker.supervisor import RING_BYTES, BrokerConfig
     from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND
     ring_bytes = RING_BYTES
     return BrokerConfig(
@@ -476,7 +476,7 @@ def main(argv=None) -> int:
 
 
 def cmd_serve(args) -> int:
-    from pipeline.supervisor import run_broker
+    from pipeline.broker.supervisor import run_broker
     cfg = broker_config(args, os.path.abspath(args.data_dir), args.port)
     cfg.host = args.host
     cfg.ipv6 = not args.no_ipv6

@@ -40,7 +40,7 @@ import time
 
 from pipeline.ctlclient import BrokerNotRunning, CtlClient
 from pipeline.runner import default_run_dir, execute, states_line
-from pipeline.supervisor import BrokerConfig
+from pipeline.broker.supervisor import BrokerConfig
 
 EXIT_PHASE_MISSED = 5
 MIB = 1024 * 1024

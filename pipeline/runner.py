@@ -28,7 +28,7 @@ from pipeline.broker_cpu import CpuWindow
 from pipeline.ctlclient import BrokerNotRunning, CtlClient, wait_for_broker
 from pipeline.loadgen.accounting import BrokerView, QueueDepth
 from pipeline.loadgen.config import InvalidLoadConfig, LoadConfig
-from pipeline.supervisor import BrokerConfig, run_broker
+from pipeline.broker.supervisor import BrokerConfig, run_broker
 
 ALREADY_REAPED = -1             # stop_broker: the broker had exited and been waited for before
 EXIT_LOAD_FAILED = 1             # a publisher or consumer could not connect or set up

@@ -130,7 +130,7 @@ def test_the_data_directory_and_its_files_are_the_owners_alone(start_broker):
 
 
 def test_the_descriptor_alarm_sets_below_one_connections_room_and_clears_at_two_once_settled():
-    from pipeline.supervisor import FD_SHARE_FOR_CONNECTIONS, FDS_PER_CONNECTION, fd_alarm
+    from pipeline.broker.supervisor import FD_SHARE_FOR_CONNECTIONS, FDS_PER_CONNECTION, fd_alarm
     limit = 1000
     share = int(limit * FD_SHARE_FOR_CONNECTIONS)
     assert not fd_alarm(share - FDS_PER_CONNECTION, limit, was_set=False)

@@ -99,7 +99,7 @@ def test_a_delivery_from_its_template_is_byte_identical_to_the_frames_encoded_wh
         channel, ctag, exchange, routing_key, props, body, tag, redelivered):
     """What a reader sends for a queue's DELIVER record: from the record's own bytes, through a template
     kept per consumer, the same frames as encoding the delivery whole (and as pamqp, above)."""
-    from pipeline import wire
+    from pipeline.broker import wire
 
     content = wire.encode_publish(0, 1, exchange, routing_key, props, body)[wire.PUBLISH_CONTENT_OFFSET:]
     record = wire.encode_deliver(wire.DLV_REDELIVERED if redelivered else 0, channel, 77, ctag, content)

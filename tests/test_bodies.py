@@ -198,7 +198,7 @@ def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_m
 
 
 def test_records_dropped_before_their_receiver_saw_them_let_go_of_its_words():
-    from pipeline import wire
+    from pipeline.broker import wire
     from pipeline.broker import bodies
     a, live = arena()
     bodies.install(bodies.Bodies([a], live))

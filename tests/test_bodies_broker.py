@@ -13,7 +13,7 @@ import pika
 import pytest
 
 from pipeline.broker.bodies import REF_MIN_BODY_BYTES
-from pipeline.queue import LEND_IN_FLIGHT
+from pipeline.broker.queue import LEND_IN_FLIGHT
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 

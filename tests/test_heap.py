@@ -1,4 +1,4 @@
-"""The heap setting every pipeline process takes (``pipeline.stage.keep_heap_mapped``).
+"""The heap setting every pipeline process takes (``pipeline.broker.stage.keep_heap_mapped``).
 
 A stage reads a batch of up to 256 records off a ring; with 64 KiB bodies
 inline that is many MiB, freed together when the batch is done. glibc's
@@ -17,7 +17,7 @@ from conftest import ROOT
 CHURN = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from pipeline.stage import give_back_heap, keep_heap_mapped
+from pipeline.broker.stage import give_back_heap, keep_heap_mapped
 if {keep}:
     assert keep_heap_mapped()
 def churn():                                    # a batch of 64 KiB records read off a ring, then let go

@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from pipeline.host import HOST_STATS_PER_S, MAX_STATS_INTERVAL_NS, Host
-from pipeline.stage import STATS_INTERVAL_MS
+from pipeline.broker.host import HOST_STATS_PER_S, MAX_STATS_INTERVAL_NS, Host
+from pipeline.broker.stage import STATS_INTERVAL_MS
 
 MS = 1_000_000
 

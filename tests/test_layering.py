@@ -53,7 +53,26 @@ def test_only_analytics_imports_pyspark():
 
 
 def test_a_broker_does_not_load_pyspark():
-    code = ("import sys, pipeline.supervisor, pipeline.reader, pipeline.channel, pipeline.queue, pipeline.store, "
+    code = ("import sys, pipeline.broker.supervisor, pipeline.broker.reader, pipeline.broker.channel, pipeline.broker.queue, pipeline.broker.store, "
             "alarms.watchdog; print(any(m.startswith('pyspark') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_broker_never_imports_the_tools_on_top_of_it():
+    """LAYOUT.md: the commands (CLI, bench, demo, view, sweeps), the load generator, the stress scripts and
+    the Spark analytics sit on top; nothing that runs inside the broker's processes imports them."""
+    tools = {"cli", "runner", "bench", "demo", "view", "sweep", "machine", "venv", "loadgen", "stress", "analytics"}
+    for package in ("pipeline/broker", "pipeline/storage", "pipeline/amqp", "pipeline/telemetry",
+                    "pipeline/management"):
+        for path in modules(package):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+                if isinstance(node, ast.ImportFrom) and node.module == "pipeline":
+                    names = [f"pipeline.{a.name}" for a in node.names]
+                for name in names:
+                    parts = name.split(".")
+                    assert not (parts[0] == "pipeline" and len(parts) > 1 and parts[1] in tools), \
+                        f"{path.relative_to(ROOT)} imports {name}"

@@ -13,7 +13,7 @@ to answer on.)
 from types import SimpleNamespace
 
 from pipeline.broker.definitions import Definitions
-from pipeline.supervisor import Supervisor
+from pipeline.broker.supervisor import Supervisor
 
 
 class Recorder(SimpleNamespace):

@@ -94,7 +94,7 @@ def test_by_default_a_consumer_an_idle_connection_and_a_publisher_each_get_a_rea
 
 def test_reader_hosts_are_twice_the_pool_unless_shm_cannot_hold_their_arenas():
     from pipeline.broker.bodies import MIB
-    from pipeline.supervisor import BrokerConfig, plan_reader_hosts
+    from pipeline.broker.supervisor import BrokerConfig, plan_reader_hosts
 
     def roomy(wanted, count):
         return wanted, None

@@ -16,7 +16,7 @@ from pamqp.header import ContentHeader
 from pamqp.body import ContentBody
 
 from conftest import raw_amqp_connection
-from pipeline.reader import RECV_BYTES, RECVS_PER_TURN
+from pipeline.broker.reader import RECV_BYTES, RECVS_PER_TURN
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(120)]
 

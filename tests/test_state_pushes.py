@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import script_module
-from pipeline.stage import STATS_INTERVAL_MS          # a busy stage's regular pushes are this far apart
+from pipeline.broker.stage import STATS_INTERVAL_MS          # a busy stage's regular pushes are this far apart
 
 pytestmark = [pytest.mark.processes, pytest.mark.timeout(90)]
 

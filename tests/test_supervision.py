@@ -92,6 +92,10 @@ def test_clients_that_open_publish_and_close_at_once_never_stop_the_broker(broke
         s.close()
     kept.basic_publish("", "kept", b"still here")
     assert kept.basic_get("kept", auto_ack=True)[2] == b"still here"
+    # a publish before channel.close is handled before the close, as RabbitMQ's channel handles its
+    # mailbox in order: each of the first sixty is in its queue (the rude ones may or may not be)
+    held = [kept.queue_declare(f"q{i}", passive=True).method.message_count for i in range(3)]
+    assert all(n >= 20 for n in held), held
     assert broker.proc.poll() is None
     assert deaths(broker) == []
     assert "supervisor failed" not in broker.output()

@@ -262,7 +262,7 @@ def test_recorder_keeps_the_jsonl_when_compaction_fails(tmp_path, monkeypatch):
 
 
 def test_pyarrow_is_loaded_only_when_the_recorder_closes(tmp_path):
-    code = ("import sys; from pipeline.telemetry import Recorder; import pipeline.supervisor; "
+    code = ("import sys; from pipeline.telemetry import Recorder; import pipeline.broker.supervisor; "
             f"r = Recorder({str(tmp_path)!r}); r.state(1, 'store', 'store', 'running'); r.flush(); "
             "print('pyarrow' in sys.modules); r.close({}); print('pyarrow' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ipc.control import MAX_CONTROL_BYTES
-from pipeline.stage import STATS_LINKS_KEPT, busiest_links
+from pipeline.broker.stage import STATS_LINKS_KEPT, busiest_links
 from pipeline.telemetry import parquet as tp
 from pipeline.telemetry import schema
 from pipeline.telemetry.schema import (STATS_TYPES, ChannelStats, ClientProperties, ConsumerDetail, LinkStats,

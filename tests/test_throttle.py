@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.throttle import DISK, FLOW, MEMORY, IllegalTransition, Notice, Throttle
+from pipeline.broker.throttle import DISK, FLOW, MEMORY, IllegalTransition, Notice, Throttle
 
 
 def test_flow_blocks_reading_on_the_publish_and_clears_with_credit():

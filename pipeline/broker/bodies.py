@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ipc.bodies import LIVENESS_IDS, REF, REF_BYTES, Arena, ArenaStatistics, Liveness, arena_bytes, liveness_bytes
 from ipc.shm import SHM_DIR
-from pipeline import wire
+from pipeline.broker import wire
 
 __all__ = ["LIVENESS_IDS", "REF_BYTES", "Bodies", "NotHolder", "install", "installed", "claim", "encode_ref",
            "decode_ref", "copy_out", "arena_of", "let_go_unsent", "fit_arenas"]

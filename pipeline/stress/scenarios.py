@@ -31,7 +31,7 @@ from pipeline.loadgen.client import ClientError, ServerClosed
 from pipeline.loadgen.config import LoadConfig
 from pipeline.stress import ScenarioUnavailable, StressError, catalogue
 from pipeline.stress.rawclient import StressClient
-from pipeline.supervisor import BrokerConfig
+from pipeline.broker.supervisor import BrokerConfig
 
 WATCHDOG = {"memory_limit": "0.6", "disk_limit": "50MB", "strategy": "rss", "memory_interval_ms": 100}
 MIB = 1024 * 1024

@@ -30,16 +30,16 @@ import time
 
 from ipc import control
 from ipc.tokens import Kind as TokenKind
-from pipeline import wire
+from pipeline.broker import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies as _bodies
 from pipeline.amqp.connection import (BodyParts, ChannelClose, ChannelCloseOk, ChannelError, ChannelOpen,
                                       Closed, CloseRequested, HandshakeTimeout, HeartbeatTimeout, Method,
                                       ProtocolError, Publish, ServerConnection)
 from pipeline.broker.limiter import ChannelLimit
-from pipeline.stage import TURN_BUDGET_NS, Stage
+from pipeline.broker.stage import TURN_BUDGET_NS, Stage
 from pipeline.telemetry.schema import ClientProperties, NoticeSent, ReaderStats
-from pipeline.throttle import DISK, FLOW, MEMORY, Throttle
+from pipeline.broker.throttle import DISK, FLOW, MEMORY, Throttle
 
 # One socket read: a publisher streaming big messages gets several taken per turn, not one or two.
 # A turn reads again while a read filled its buffer, up to RECVS_PER_TURN reads (4 MiB): what the turn

@@ -49,7 +49,7 @@ from ipc.credit import DEFAULT_CREDIT, MSG_STORE_CREDIT_DISC_BOUND, CreditSpec
 from ipc.doorbell import Doorbell
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
-from pipeline import channel as _channel, queue as _queue, reader as _reader, store as _store  # noqa: F401
+from pipeline.broker import channel as _channel, queue as _queue, reader as _reader, store as _store  # noqa: F401
 from pipeline import telemetry
 from pipeline.broker import bodies as _bodies, lifecycle, names
 from pipeline.broker.ctl_server import CtlServer
@@ -59,8 +59,8 @@ from pipeline.broker.definitions import (DEFINITIONS_FILE, REPLY_TO_PREFIX, BadL
                                          arguments_from_json, arguments_to_json, connection_limit_text,
                                          not_found_queue, parse_limits, queue_stopped, refused)
 from pipeline.broker.process_states import StateClock, state_at
-from pipeline.host import Host, build_stage
-from pipeline.stage import keep_heap_mapped
+from pipeline.broker.host import Host, build_stage
+from pipeline.broker.stage import keep_heap_mapped
 from pipeline.management import views as management_views
 from pipeline.management.histogram import LatencyHistogram
 from pipeline.management.writes import properties_key
@@ -131,7 +131,7 @@ class BrokerConfig:
     tls_port: int | None = None     # an AMQPS listener (RabbitMQ's 5671) with tls_cert / tls_key
     tls_cert: str | None = None
     tls_key: str | None = None
-    # hosts per kind for readers, channels and queues (pipeline.host); 0: a process of its own for each
+    # hosts per kind for readers, channels and queues (pipeline.broker.host); 0: a process of its own for each
     pool: int = field(default_factory=lambda: os.cpu_count() or 1)
     # hosts for readers; None (or 0): twice ``pool``, or ``pool`` where /dev/shm is too small for as
     # many body arenas. Connections are placed as they open, before anyone knows which will publish
@@ -438,7 +438,7 @@ class Supervisor:
 
     def start_stage(self, name: str, kind: str, spec: dict, extra_fds: tuple[int, ...] = (), **info) -> Proc | None:
         """A reader, channel or queue: in the host of its kind that runs the fewest (``cfg.pool``), or
-        with ``pool`` 0 in a process of its own. ``spec`` is JSON (``pipeline.host.build_stage``)."""
+        with ``pool`` 0 in a process of its own. ``spec`` is JSON (``pipeline.broker.host.build_stage``)."""
         holder = 0
         if self.bodies is not None and self.next_holder < _bodies.LIVENESS_IDS:
             holder = self.next_holder
@@ -589,7 +589,7 @@ class Supervisor:
 
     # -- the stages ------------------------------------------------------------------
     def start_store(self) -> Proc | None:
-        from pipeline.store import Store
+        from pipeline.broker.store import Store
         cfg = self.cfg
         store_dir = os.path.join(cfg.data_dir, "msg_store")
 

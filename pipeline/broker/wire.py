@@ -33,7 +33,7 @@ Layouts::
     REMOVE   queue -> store: u8 kind | 16-byte message id * n
     ON_DISK  store -> queue: u8 kind | 16-byte message id * n
     FRAGMENT any -> any: u8 kind | u8 last | a piece of a record too big for its ring; the receiving
-             link joins the pieces and hands on the whole record (``pipeline.stage``)
+             link joins the pieces and hands on the whole record (``pipeline.broker.stage``)
 """
 
 from __future__ import annotations

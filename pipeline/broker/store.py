@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import time
 
-from pipeline import wire
-from pipeline.channel import busy_wait_ns
-from pipeline.stage import READ_BATCH_RECORDS, Stage, read_batch_for
+from pipeline.broker import wire
+from pipeline.broker.channel import busy_wait_ns
+from pipeline.broker.stage import READ_BATCH_RECORDS, Stage, read_batch_for
 from pipeline.storage.journal import held_store_ids
 from pipeline.storage.errors import DiskFull
 from pipeline.storage.segments import FILE_SIZE_LIMIT_BYTES, SYNC_INTERVAL_MS, SegmentStore

@@ -55,7 +55,7 @@ from ipc import control
 from ipc.credit import CreditSpec
 from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from pipeline.broker import bodies, collector
-from pipeline.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, STATS_INTERVAL_MS, Stage
+from pipeline.broker.stage import HAND_ON_LIMIT_NS, OVERFLOW_RETRY_MS, STATS_INTERVAL_MS, Stage
 
 EXIT_STAGE_CRASHED = 70
 ARENA_RECLAIM_S = 0.1              # how often an idle reader host frees its arena's let-go slots
@@ -104,20 +104,20 @@ def build_stage(kind: str, name: str, spec: dict, cfg, ctl, inbox: int, bell: in
 
 def _build(kind: str, name: str, spec: dict, cfg, ctl, inbox: int, bell: int, extra: list[int], tls_context):
     if kind == "reader":
-        from pipeline.reader import Reader
+        from pipeline.broker.reader import Reader
         conn = socket.socket(fileno=extra[0])
         if spec.get("tls"):
             conn = tls_context.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         connection = {**spec["connection"], "loopback_users": frozenset(spec["connection"]["loopback_users"])}
         return Reader(name, ctl, inbox, bell, cfg.credit, conn, connection=connection, alarms=spec["alarms"])
     if kind == "channel":
-        from pipeline.channel import Channel
+        from pipeline.broker.channel import Channel
         return Channel(name, ctl, inbox, bell, cfg.credit, number=spec["number"], reader=spec["reader"],
                        frame_max=cfg.frame_max, delay_us=cfg.channel_delay_us, cancel_notify=spec["cancel_notify"])
     if kind == "queue":
         from pipeline.broker.args import parse_queue_args
         from pipeline.broker.definitions import arguments_from_json
-        from pipeline.queue import Queue
+        from pipeline.broker.queue import Queue
         args = parse_queue_args(spec["queue"], arguments_from_json(spec["arguments"]))
         return Queue(name, ctl, inbox, bell, cfg.credit, queue=spec["queue"], durable=spec["durable"],
                      owner=spec["owner"], auto_delete=spec["auto_delete"], args=args,

@@ -288,7 +288,7 @@ class Stage:
     """Base class of reader, channel, queue and store processes.
 
     A stage runs either as a process of its own (``run``) or as one of many in a
-    shared process (``pipeline.host``), which sets ``selector_for`` to hand each
+    shared process (``pipeline.broker.host``), which sets ``selector_for`` to hand each
     stage its view of the one selector and drives ``wait_timeout``, ``on_endpoint``
     and ``turn`` itself. Nothing a stage does may wait: a hosted stage that
     waited would hold up every other stage of its process."""

@@ -35,7 +35,7 @@ import time
 from pamqp import commands
 
 from ipc import control
-from pipeline import wire
+from pipeline.broker import wire
 from pipeline.amqp import frames
 from pipeline.amqp.errors import AmqpError
 from pipeline.broker import props
@@ -44,7 +44,7 @@ from pipeline.broker.confirms import ACK, COMMIT_OK, NACK, Confirms
 from pipeline.broker.definitions import arguments_to_json
 from pipeline.broker.routing import RoutingTable
 from pipeline.broker import bodies
-from pipeline.stage import Stage, read_batch_for
+from pipeline.broker.stage import Stage, read_batch_for
 from pipeline.telemetry.schema import ChannelStats
 
 # AMQP 0-9-1's hard errors: the connection is closed, not just the channel

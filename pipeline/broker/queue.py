@@ -39,7 +39,7 @@ import time
 from pamqp import commands
 
 from ipc import control
-from pipeline import wire
+from pipeline.broker import wire
 from pipeline.amqp import frames
 from pipeline.broker import bodies, props
 from pipeline.broker.args import QueueArgs, QueueError, parse_expiration
@@ -52,7 +52,7 @@ from pipeline.broker.paging import PAGE_BATCH_MESSAGES, PAGE_ROUND_INTERVAL_NS, 
 from pipeline.broker.routing import RoutingTable
 from pipeline.storage.journal import QueueJournal
 from pipeline.storage.segments import read_bodies
-from pipeline.stage import Stage, read_batch_for
+from pipeline.broker.stage import Stage, read_batch_for
 from pipeline.telemetry.schema import CONSUMER_DETAILS_KEPT, ConsumerDetail, QueueStats
 
 QUEUE_INDEX_EMBED_MSGS_BELOW = 4096
