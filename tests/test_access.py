@@ -179,7 +179,7 @@ def test_out_of_descriptors_new_connections_wait_and_the_broker_goes_on(start_br
         while (held := ch.queue_declare("q0", passive=True).method.message_count) < len(conns) \
                 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert held == len(conns)
+        assert held == len(conns), [line for line in broker.output().splitlines() if "[error]" in line][-12:]
     # the links the publishes made fit in the queues' host: none of them crashed (and lost what it held)
     assert {name: p["restarts"] for name, p in broker.status()["processes"].items()
             if name.startswith("queue-")} == {f"queue-q{i}": 0 for i in range(4)}

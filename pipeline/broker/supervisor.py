@@ -6,10 +6,10 @@ broker stops; at start it removes what a killed earlier run left behind.
 
 For every stage it creates three endpoints before forking it (an inbox pipe,
 an eventfd doorbell, a control socketpair); links between running stages are
-made later by sending each end an ``attach`` message carrying the peer's
-inbox and doorbell fds (SCM_RIGHTS). Stages ask for links (a channel for a
-queue, a reader for a channel); the supervisor answers once both ends have
-them.
+made later by sending each end an ``attach`` message carrying the ring's
+descriptor and the peer's inbox and doorbell fds (SCM_RIGHTS;
+``pipeline.broker.wiring``). Stages ask for links (a channel for a queue, a
+reader for a channel); the supervisor answers once both ends have them.
 
 It never waits on a stage: control messages go through one ``Outbox`` per
 stage and tokens through non-blocking writes, so a stage that stops reading
@@ -51,7 +51,7 @@ from ipc.errors import CorruptRecord, PeerGone, WouldBlock
 from ipc.tokens import Kind as TokenKind
 from pipeline.broker import channel as _channel, queue as _queue, reader as _reader, store as _store  # noqa: F401
 from pipeline import telemetry
-from pipeline.broker import bodies as _bodies, lifecycle, names
+from pipeline.broker import bodies as _bodies, lifecycle, names, wiring
 from pipeline.broker.ctl_server import CtlServer
 from pipeline.broker.args import QueueError
 from pipeline.amqp.errors import AmqpError
@@ -169,15 +169,6 @@ class Proc:
     arena: int | None = None        # for reader hosts: the arena it allocates bodies in
 
 
-@dataclass
-class LinkRec:
-    link_id: int
-    sender: str
-    receiver: str
-    segment: object
-    flow: bool
-
-
 def plan_reader_hosts(cfg: BrokerConfig, fit_arenas) -> tuple[int, int, str | None]:
     """(reader hosts, each one's body arena in bytes, a line to log or None). Twice ``pool`` unless
     ``reader_pool`` says; 0 with ``pool`` 0 (a process of its own for each reader). Where /dev/shm
@@ -286,8 +277,7 @@ class Supervisor:
         self.batch_refused = False      # the machine refused SCHED_BATCH once (and it was logged)
         self.procs: dict[str, Proc] = {}
         self.by_pid: dict[int, Proc] = {}
-        self.links: dict[int, LinkRec] = {}
-        self.next_link = 1
+        self.links = wiring.Links(self.owner, self.cfg.ring_bytes)
         self.next_conn = 1
         self.defs = Definitions()
         self.stats: dict[str, dict] = {}
@@ -506,46 +496,31 @@ class Supervisor:
         return host
 
     def make_link(self, sender: str, receiver: str, flow: bool, spec: CreditSpec | None = None) -> int | None:
-        """A ring from ``sender`` to ``receiver``; None when either is not running (it ended, or is ending)."""
+        """A ring from ``sender`` to ``receiver``; None when either is not running (it ended, or is
+        ending), or when the ring or its attaches could not be made (logged)."""
         s, r = self.procs.get(sender), self.procs.get(receiver)
         if s is None or r is None or s.state != "running" or r.state != "running":
             return None
-        link_id = self.next_link
-        self.next_link += 1
         try:
-            seg, _ring = shm.create_ring(self.owner, f"l{link_id}", self.cfg.ring_bytes)
+            rec, ring_fd = self.links.create(sender, receiver, flow)
         except OSError as exc:
             self.log("error", [f"cannot make a ring from {sender} to {receiver}: {exc}"])
             return None
-        seg.close()        # only its two ends map it; the supervisor keeps the name, to unlink it
-        self.links[link_id] = LinkRec(link_id, sender, receiver, seg, flow)
-        s.links.add(link_id)
-        r.links.add(link_id)
-        spec_list = [spec.initial, spec.more_after] if spec is not None else None
-        base = {"type": "attach", "link": link_id, "ring": seg.name, "flow": flow, "spec": spec_list}
+        s.links.add(rec.link_id)
+        r.links.add(rec.link_id)
+        to_sender, to_receiver = wiring.attach_messages(rec, spec, s.holder, r.holder)
         try:
-            ring_fd = shm.descriptor(seg.name)
-        except OSError as exc:
-            self.log("error", [f"cannot make a ring from {sender} to {receiver}: {exc}"])
-            self.drop_link(link_id, receiver, "closed")
-            return None
-        try:
-            told = (self.tell(s, {**base, "role": "out", "peer": receiver, "peer_holder": r.holder},
-                              [ring_fd, r.inbox_w, r.doorbell.fileno()])
-                    and self.tell(r, {**base, "role": "in", "peer": sender, "peer_holder": s.holder},
-                                  [ring_fd, s.inbox_w]))
+            told = (self.tell(s, to_sender, [ring_fd, r.inbox_w, r.doorbell.fileno()])
+                    and self.tell(r, to_receiver, [ring_fd, s.inbox_w]))
         finally:
             os.close(ring_fd)
         if not told:        # out of descriptors: a link one end never hears of would lose what it carries
-            self.drop_link(link_id, receiver, "closed")
+            self.drop_link(rec.link_id, receiver, "closed")
             return None
-        return link_id
+        return rec.link_id
 
     def link_between(self, sender: str, receiver: str) -> int | None:
-        for rec in self.links.values():
-            if rec.sender == sender and rec.receiver == receiver:
-                return rec.link_id
-        return None
+        return self.links.between(sender, receiver)
 
     def tell(self, proc: Proc, msg: dict, fds=()) -> bool:
         """Queue ``msg`` for ``proc``; False (and logged) when there are no descriptors to duplicate."""
@@ -777,7 +752,7 @@ class Supervisor:
         cfg = self.cfg
         name = f"channel-{reader.name.split('-', 1)[1]}.{number}"
         if name in self.procs:  # the same number reopened while its old process is still stopping
-            name = f"{name}-{self.next_link}"
+            name = f"{name}-{self.links.next_id}"
 
         spec = {"number": number, "reader": reader.name, "cancel_notify": cancel_notify}
         chan = self.start_stage(name, "channel", spec, owner=reader.name, number=number)
@@ -1726,7 +1701,7 @@ class Supervisor:
             self.tell(p, {"type": "stop"})
 
     def drop_link(self, link_id: int, gone: str, reason: str) -> None:
-        rec = self.links.pop(link_id, None)
+        rec = self.links.remove(link_id)
         if rec is None:
             return
         other = rec.receiver if rec.sender == gone else rec.sender
@@ -1734,11 +1709,6 @@ class Supervisor:
         if peer is not None:
             peer.links.discard(link_id)
             self.tell(peer, {"type": "detach", "link": link_id, "reason": reason})
-        try:
-            rec.segment.close()
-        except OSError:
-            pass
-        self.owner.unlink(rec.segment.name)
 
     # -- main loop ----------------------------------------------------------------------------
     def serve(self) -> int:
@@ -1847,11 +1817,6 @@ class Supervisor:
             while any(p.name in self.procs for p in group) and time.monotonic() < deadline:
                 self.reap()
                 time.sleep(0.01)
-        for rec in list(self.links.values()):
-            try:
-                rec.segment.close()
-            except OSError:
-                pass
         self.owner.unlink_all()
         if self.management_sock is not None:
             self.management_sock.close()
