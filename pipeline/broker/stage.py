@@ -127,6 +127,18 @@ def read_batch_for(delay_ns: int) -> int:
     return max(1, min(READ_BATCH_RECORDS, TURN_NS // delay_ns))
 
 
+def close_end(link) -> None:
+    """Unmap one end of a link (an OutLink or an InLink) and give back its peer's endpoints, once:
+    other links to the same peer may still use them."""
+    try:
+        link.segment.close()
+    except OSError:
+        pass
+    if link.endpoints is not None:
+        peers.ENDPOINTS.give_back(link.endpoints)
+        link.endpoints = None
+
+
 class OutLink:
     """Sending end of one ring. Records that do not fit wait in ``overflow``
     (this process's memory, like a growing Erlang mailbox) until the receiver
@@ -212,13 +224,7 @@ class OutLink:
                     pass
 
     def close(self) -> None:
-        try:
-            self.segment.close()
-        except OSError:
-            pass
-        if self.endpoints is not None:          # once: other links may still use them
-            peers.ENDPOINTS.give_back(self.endpoints)
-            self.endpoints = None
+        close_end(self)
 
 
 class InLink:
@@ -271,13 +277,7 @@ class InLink:
             pass
 
     def close(self) -> None:
-        try:
-            self.segment.close()
-        except OSError:
-            pass
-        if self.endpoints is not None:          # once: other links may still use them
-            peers.ENDPOINTS.give_back(self.endpoints)
-            self.endpoints = None
+        close_end(self)
 
 
 def own_selector(stage) -> selectors.BaseSelector:
