@@ -104,16 +104,9 @@ def encode_content(exchange: bytes, routing_key: bytes, props: bytes, body: byte
 
 
 def decode_content(rec, offset: int) -> tuple[bytes, bytes, bytes, bytes]:
-    """Return (exchange, routing_key, props, body) of the content starting at ``offset``."""
-    exlen = rec[offset]
-    exchange = bytes(rec[offset + 1:offset + 1 + exlen])
-    o = offset + 1 + exlen
-    rklen = rec[o]
-    routing_key = bytes(rec[o + 1:o + 1 + rklen])
-    o += 1 + rklen
-    (plen,) = _U32.unpack_from(rec, o)
-    o += 4
-    return exchange, routing_key, bytes(rec[o:o + plen]), bytes(rec[o + plen:])
+    """Return (exchange, routing_key, props, body) of the content starting at ``offset``, copied."""
+    exchange, routing_key, props, body = content_views(rec, offset)
+    return exchange, routing_key, bytes(props), bytes(body)
 
 
 def content_views(rec, offset: int) -> tuple[bytes, bytes, memoryview, memoryview]:
