@@ -515,6 +515,7 @@ class Supervisor:
         finally:
             os.close(ring_fd)
         if not told:        # out of descriptors: a link one end never hears of would lose what it carries
+            r.links.discard(rec.link_id)
             self.drop_link(rec.link_id, receiver, "closed")
             return None
         return rec.link_id
