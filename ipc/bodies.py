@@ -39,14 +39,15 @@ inline, as before. While over half the arena is in use the allocator sets
 ``pressure``, and queues copy the bodies they hold out of the arena.
 
 Freed space goes back to the OS, but not at once: the allocator reuses
-the data area in a circle, so under a steady flow that goes round the
-capacity within PUNCH_AFTER_MS every page comes round again in time, and
-handing it back would only make the next body fault it in afresh (a flow
-slower than that, for its arena's size, faults every page in anew). Space
-that has stayed free for PUNCH_AFTER_MS without being reused has its whole
-pages handed back (``punch``, an ``madvise(MADV_REMOVE)`` on the
-shared-memory file), so once a backlog has drained the arena's memory,
-which the memory alarm counts, follows it down.
+the data area in a circle, and handing back pages it is about to come round
+to would only make the next bodies fault them in afresh. Space that has
+stayed free for PUNCH_AFTER_MS without being reused has its whole pages
+handed back (``punch``, an ``madvise(MADV_REMOVE)`` on the shared-memory
+file) unless, at the pace the allocator went over the last PUNCH_AFTER_MS
+or more, its head comes round to it within another PUNCH_AFTER_MS; so a
+steady flow keeps the pages it cycles through however big the arena, and
+once a backlog has drained (or the flow stopped) the arena's memory, which
+the memory alarm counts, follows it down.
 
 Byte layout
 -----------
@@ -145,7 +146,7 @@ class Arena:
     """
 
     __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness", "punch",
-                 "_punched_to", "_freed")
+                 "_punched_to", "_freed", "_pace_mark", "_pace")
 
     def __init__(self, buf, liveness: Liveness, *, create: bool, punch=None):
         """``punch(start, length)``: give the pages of that byte range of ``buf`` back (None: keep them)."""
@@ -168,9 +169,12 @@ class Arena:
             raise CorruptRecord(f"buffer holds no arena of {cap} bytes (magic {hdr[_MAGIC]:#x})")
         self.punch = punch
         # allocator-local: space freed before _punched_to went back (or was reused); _freed lists
-        # [position freed up to, when] since, oldest first
+        # [position freed up to, when] since, oldest first; _pace: bytes allocated over the last whole
+        # PUNCH_AFTER_MS (and its length) as of _pace_mark, [when, head]
         self._punched_to = hdr[_TAIL]
         self._freed: collections.deque = collections.deque()
+        self._pace_mark = [0, hdr[_HEAD]]
+        self._pace = (0, PUNCH_AFTER_NS)
 
     # -- the allocator ----------------------------------------------------------------------
     def alloc(self, body_bytes: int, channel: int) -> int | None:
@@ -233,9 +237,16 @@ class Arena:
                 freed[-1][0] = tail               # one entry per tenth of the wait
             else:
                 freed.append([tail, now_ns])
+        mark = self._pace_mark                    # the allocator's pace over its last whole PUNCH_AFTER_MS
+        if now_ns - mark[0] >= PUNCH_AFTER_NS:
+            self._pace = (head - mark[1], now_ns - mark[0])
+            mark[0], mark[1] = now_ns, head
         while freed and now_ns - freed[0][1] >= PUNCH_AFTER_NS:
-            end = freed.popleft()[0]
+            end = freed[0][0]
             start = max(self._punched_to, head - self.capacity_bytes)    # what the head came round to is in use
+            if end > start and comes_round_in_time(end + self.capacity_bytes - head, *self._pace):
+                break                             # the flow reuses it before it could be faulted back in
+            freed.popleft()
             if end > start:
                 self.give_pages_back(start, end)
             self._punched_to = max(self._punched_to, end)
@@ -372,6 +383,14 @@ class Arena:
         """Drop this object's views so the mapping under it can close."""
         for view in (self._words, self._data, self._hdr, self.mv):
             view.release()
+
+
+def comes_round_in_time(ahead_bytes: int, allocated_bytes: int, over_ns: int) -> bool:
+    """Whether the allocator, going on at the pace it allocated ``allocated_bytes`` in the last
+    ``over_ns``, comes round to the end of freed space ``ahead_bytes`` before its head within
+    PUNCH_AFTER_MS: then its pages stay (handing them back would only have the next bodies fault
+    them in afresh)."""
+    return allocated_bytes * PUNCH_AFTER_NS >= ahead_bytes * over_ns
 
 
 _EMPTY_SLOT_HEADER = memoryview(bytes(SLOT_HEADER_BYTES)).cast("I")

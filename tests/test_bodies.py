@@ -1,5 +1,7 @@
 """The body arena over plain bytearrays: allocation, the holders' words, oldest-first reuse, dead holders."""
 
+import collections
+
 import pytest
 
 from ipc.bodies import (
@@ -176,6 +178,33 @@ def test_space_the_allocator_came_round_to_again_is_not_handed_back():
         a.reclaim(t + i)
     a.reclaim(t + PUNCH_AFTER_NS)
     assert punched == []
+
+
+def test_a_steady_flow_keeps_the_pages_it_comes_round_to_and_they_go_back_once_it_stops():
+    """A flow that goes round the arena in one and a half PUNCH_AFTER_MS (a big arena, 64 KiB bodies at
+    a moderate rate): freed space waits longer than PUNCH_AFTER_MS for the head, but at the flow's pace
+    the head comes round to it within another; handing it back would have every body fault its pages
+    in afresh. Once the flow stops, what is free goes back."""
+    from ipc.bodies import PUNCH_AFTER_NS
+    live = Liveness(bytearray(liveness_bytes()))
+    punched = []
+    a = Arena(bytearray(arena_bytes(4 * 1024 * 1024)), live, create=True,
+              punch=lambda start, length: punched.append((start, length)))
+    size = 64 * 1024 - SLOT_HEADER_BYTES
+    slots = a.capacity_bytes // (64 * 1024)
+    step = PUNCH_AFTER_NS * 3 // 2 // slots                 # one round in 1.5 s
+    t = 10**12
+    held = collections.deque()
+    for i in range(3 * slots):
+        held.append(put(a, b"z" * size))
+        if len(held) > 4:                                  # a few in flight, the rest freed behind them
+            a.release_channel(held.popleft())
+        a.reclaim(t + i * step)
+    assert punched == [] and a.statistics().refused == 0
+    end = t + 3 * slots * step
+    for i in range(1, 31):                                 # the allocator's timer, a tenth of the wait apart
+        a.reclaim(end + i * PUNCH_AFTER_NS // 10)
+    assert sum(length for _, length in punched) >= a.capacity_bytes * 3 // 4 and not a.returning
 
 
 def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_mib(monkeypatch):
