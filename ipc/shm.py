@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 The supervisor is the only process that creates or unlinks segments
 (:class:`SegmentOwner`). A link's two stages are handed a descriptor of its
-ring (:func:`descriptor`, passed over their control sockets), never its name:
+ring (:func:`descriptor`, passed over their control sockets), not its name alone:
 they map it and close the descriptor at once, so a mapping is all they hold.
 Unlinking only removes the name: mappings and descriptors stay valid until
 their holders close them or exit, so the supervisor may unlink a link's ring
