@@ -10,7 +10,9 @@ import importlib.machinery
 import importlib.util
 import multiprocessing
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -23,6 +25,21 @@ SETTLE_S = 1.0              # left out at each end of the publishing window when
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def private_epmd(env: dict) -> dict:
+    """``env`` for a private RabbitMQ node with an epmd of its own on a free port (ERL_EPMD_PORT): the node
+    starts it and :func:`stop_epmd` ends it, where the machine's shared epmd would outlive the node."""
+    return dict(env, ERL_EPMD_PORT=str(free_port()))
+
+
+def stop_epmd(env: dict) -> None:
+    """End the epmd :func:`private_epmd` gave a node, once the node has stopped (epmd refuses to end while
+    a node is registered with it)."""
+    port = env.get("ERL_EPMD_PORT")
+    epmd = shutil.which("epmd") or "/usr/lib/rabbitmq/bin/epmd"
+    if port and os.path.exists(epmd):
+        subprocess.run([epmd, "-port", port, "-kill"], env=env, capture_output=True, timeout=10, check=False)
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

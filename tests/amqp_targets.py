@@ -49,7 +49,8 @@ def _scripts_module(name: str):
     return module
 
 
-free_ports = _scripts_module("_beside_rabbitmq").free_ports      # n different ports, picked together
+_beside = _scripts_module("_beside_rabbitmq")
+free_ports = _beside.free_ports      # n different ports, picked together
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,11 +129,11 @@ class RabbitMQNode:
             "ssl_options.fail_if_no_peer_cert = false",
             "",
         ]))
-        self.env = dict(os.environ, HOME=str(self.base), RABBITMQ_NODENAME=self.nodename,
-                        RABBITMQ_DIST_PORT=str(dist_port),
-                        RABBITMQ_MNESIA_BASE=str(self.base / "mnesia"), RABBITMQ_LOG_BASE=str(self.base / "log"),
-                        RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base / "enabled_plugins"),
-                        RABBITMQ_CONFIG_FILE=str(self.base / "rabbitmq"))
+        self.env = _beside.private_epmd(dict(
+            os.environ, HOME=str(self.base), RABBITMQ_NODENAME=self.nodename, RABBITMQ_DIST_PORT=str(dist_port),
+            RABBITMQ_MNESIA_BASE=str(self.base / "mnesia"), RABBITMQ_LOG_BASE=str(self.base / "log"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(self.base / "enabled_plugins"),
+            RABBITMQ_CONFIG_FILE=str(self.base / "rabbitmq")))
         self.proc = subprocess.Popen([str(RABBITMQ_SBIN / "rabbitmq-server")], env=self.env,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
@@ -163,6 +164,7 @@ class RabbitMQNode:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        _beside.stop_epmd(self.env)
         shutil.rmtree(self.base, ignore_errors=True)
 
 
