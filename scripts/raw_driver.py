@@ -14,19 +14,20 @@ connection was closed the run ends with the broker's reply (exit 1), not
 with a rate counting publishes the broker discarded. A third connection asks
 for the queue's depth (a passive queue.declare) four times a second.
 
-Half-way through and when publishing stops, the driver reads how many bytes
-wait in the kernel on both ends of the publishers' and the consumer's
-connections (/proc/net/tcp: the broker is on this machine; half-way, one read
-for all the publishers, whose bytes sent are kept on a shared board, since
-the kernel's listing costs milliseconds with a few hundred sockets and a read
-in each of a hundred publishers took CPU inside the measured window), so a run knows what the broker
-itself held then: what it had read off the publishers' sockets and not yet
-written to the consumer's, wherever it keeps it (queue, mailboxes, rings,
-unparsed input). With many publishers most of what they "published" is still
-in the sockets' buffers, and each one's credit keeps some in flight; a run is
-an *overrun* (the broker took publishes faster than it delivered them) when
-what it held grew over the second half by more than a tenth of what the
-consumer received in the window.
+Half-way through and when publishing stops, the driver asks the kernel
+(sock_diag over netlink: the broker is on this machine) for the byte counts
+of the broker's end of every connection: what it has read off each
+publisher's socket and what it has written to the consumer's. Both come from
+one dump at one instant, exact to the byte (the listing in /proc/net/tcp counts
+bytes sent and not yet acknowledged at both ends, and readings taken apart
+in time by a publisher and the consumer differed by what moved in between).
+So a run knows what the broker itself held then: publishes it had read and
+deliveries it had not yet written, wherever it keeps them (queue, mailboxes,
+rings, unparsed input). With many publishers most of what they "published"
+is still in the sockets' buffers, and each one's credit keeps some in
+flight; a run is an *overrun* (the broker took publishes faster than it
+delivered them) when what it held grew over the second half by more than a
+tenth of what the consumer received in the window.
 
 usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishers 1]
                              [--persistent] [--confirm 1000] [--no-ack] [--queue NAME] [--rate MSG/S]
@@ -80,18 +81,19 @@ class Connection:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.buf = bytearray()
-        self.sock.sendall(b"AMQP\x00\x00\x09\x01")
+        self.sent = self.received = 0       # bytes, while the connection is set up
+        self.send(b"AMQP\x00\x00\x09\x01")
         self.expect("Connection.Start")
-        self.sock.sendall(marshal(0, commands.Connection.StartOk(
+        self.send(marshal(0, commands.Connection.StartOk(
             client_properties={"product": "raw-driver", "capabilities": {"publisher_confirms": True}},
             mechanism="PLAIN", response=f"\0{user}\0{password}", locale="en_US")))
         tune = self.expect("Connection.Tune")
         self.frame_max = tune.frame_max or 131072
-        self.sock.sendall(marshal(0, commands.Connection.TuneOk(channel_max=tune.channel_max, frame_max=self.frame_max,
-                                                                heartbeat=0)))
-        self.sock.sendall(marshal(0, commands.Connection.Open(virtual_host="/")))
+        self.send(marshal(0, commands.Connection.TuneOk(channel_max=tune.channel_max, frame_max=self.frame_max,
+                                                        heartbeat=0)))
+        self.send(marshal(0, commands.Connection.Open(virtual_host="/")))
         self.expect("Connection.OpenOk")
-        self.sock.sendall(marshal(1, commands.Channel.Open()))
+        self.send(marshal(1, commands.Channel.Open()))
         self.expect("Channel.OpenOk")
 
     def expect(self, name: str):
@@ -109,10 +111,15 @@ class Connection:
             data = self.sock.recv(CHUNK)
             if not data:
                 raise SystemExit("raw driver: broker closed the connection")
+            self.received += len(data)
             self.buf += data
 
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+        self.sent += len(data)
+
     def call(self, method, reply: str):
-        self.sock.sendall(marshal(1, method))
+        self.send(marshal(1, method))
         return self.expect(reply)
 
 
@@ -166,53 +173,50 @@ def broker_closed(sock, buf: bytearray) -> str | None:
     return closed_in(buf)
 
 
-def end_key(host: str, port: int) -> str:
-    """How /proc/net/tcp names an IPv4 end."""
-    return f"{int.from_bytes(socket.inet_aton(host), sys.byteorder):08X}:{port:04X}"
+SOCK_DIAG = struct.Struct("=IHHII BBBxI HH32xI8x")   # nlmsghdr, inet_diag_req_v2 (sport set: the broker's)
+DIAG_MSG = struct.Struct("=IHHII BBBB HH32xI 8x IIIII")  # nlmsghdr, inet_diag_msg
+NLMSG_ERROR, NLMSG_DONE, SOCK_DIAG_BY_FAMILY = 2, 3, 20
+INET_DIAG_INFO = 2
+TCP_INFO_BYTES = struct.Struct("=QQ")          # tcp_info's tcpi_bytes_acked, tcpi_bytes_received
+TCP_INFO_BYTES_AT = 120
 
 
-def loopback_ends(sock) -> tuple[str, str]:
-    """How /proc/net/tcp names this end and the peer's of an IPv4 connection (read once: a reset socket
-    has no peer name any more)."""
-    return end_key(*sock.getsockname()[:2]), end_key(*sock.getpeername()[:2])
-
-
-def socket_queues(ends: tuple[str, str]) -> dict[str, int]:
-    """Bytes waiting in the kernel on both ends of a loopback TCP connection (``loopback_ends``), from
-    /proc/net/tcp: what this side wrote and the peer has not read (``to_peer``: our send queue and its
-    receive queue), and what the peer wrote and we have not read (``from_peer``). Zeros where the lines
-    are not found (a connection already gone)."""
-    return socket_queues_of([ends])[0]
-
-
-def socket_queues_of(ends_list: list[tuple[str, str]]) -> list[dict[str, int]]:
-    """``socket_queues`` of many connections from one read of /proc/net/tcp (the kernel's listing of every
-    socket costs milliseconds with a few hundred of them: read once, not once a connection)."""
-    outs = [{"to_peer": 0, "from_peer": 0} for _ in ends_list]
-    index = {}
-    for out, (mine, theirs) in zip(outs, ends_list):
-        index[(mine, theirs)] = (out, "to_peer", "from_peer")
-        index[(theirs, mine)] = (out, "from_peer", "to_peer")
+def broker_ends(port: int) -> dict[int, tuple[int, int]]:
+    """For each connection to the broker on ``port`` (by the client's port): the bytes the broker has read
+    off it and written to it, from one sock_diag dump of the broker's end (its receive count less what
+    waits unread; its acknowledged bytes plus what waits to be sent or acknowledged)."""
+    nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)   # NETLINK_SOCK_DIAG
     try:
-        with open("/proc/net/tcp") as f:
-            lines = f.readlines()[1:]
-    except OSError:
-        return outs
-    for line in lines:
-        fields = line.split()
-        found = index.get((fields[1], fields[2]))
-        if found is not None:
-            out, tx_key, rx_key = found
-            tx, rx = (int(v, 16) for v in fields[4].split(":"))
-            out[tx_key] += tx
-            out[rx_key] += rx
-    return outs
+        nl.sendto(SOCK_DIAG.pack(SOCK_DIAG.size, SOCK_DIAG_BY_FAMILY, 0x301, 1, 0,      # request, dump
+                                 socket.AF_INET, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 1 << 1,
+                                 socket.htons(port), 0, 0), (0, 0))                # established only
+        ends: dict[int, tuple[int, int]] = {}
+        while True:
+            data = nl.recv(1 << 16)
+            at = 0
+            while at < len(data):
+                length, kind = struct.unpack_from("=IH", data, at)
+                if kind == NLMSG_DONE:
+                    return ends
+                if kind == NLMSG_ERROR:
+                    raise OSError("raw driver: the kernel refused the socket dump")
+                *_, sport, dport, _, _, unread, unsent, _, _ = DIAG_MSG.unpack_from(data, at)
+                attr, end = at + DIAG_MSG.size, at + length
+                while attr < end:
+                    size, attr_kind = struct.unpack_from("=HH", data, attr)
+                    if attr_kind == INET_DIAG_INFO and socket.ntohs(sport) == port:
+                        acked, received = TCP_INFO_BYTES.unpack_from(data, attr + 4 + TCP_INFO_BYTES_AT)
+                        ends[socket.ntohs(dport)] = (received - unread, acked + unsent)
+                    attr += (size + 3) & ~3
+                at += (length + 3) & ~3
+    finally:
+        nl.close()
 
 
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
               counts, rate: float | None = None, board=None, index: int = 0) -> None:
-    """``board[BOARD_SLOTS * index:]``: this publisher's local port, bytes of one publish and bytes the
-    kernel has taken so far, kept current for the half-way reading (``taken_by_publishers``)."""
+    """``board[BOARD_SLOTS * index:]``: this publisher's local port, bytes of one publish and bytes it sent
+    setting up the connection, for the readings of what the broker holds (``held_now``)."""
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
@@ -221,10 +225,9 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     view = memoryview(batch)                 # what a partial send left goes on without a copy
     one = len(batch) / per                   # bytes of one publish on the wire
     sock = conn.sock
-    ends = loopback_ends(sock)
     at = BOARD_SLOTS * index
     if board is not None:                    # the port last: a port on the board says the rest is there
-        board[at + 1] = int(one)
+        board[at + 1], board[at + 2] = int(one), conn.sent
         board[at] = sock.getsockname()[1]
     # A send waits at most this long, so a publisher held back by the broker still notices the half-way
     # mark and the stop in time, and counts what the kernel took to the byte.
@@ -232,7 +235,7 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
     while time.time() < start:
         time.sleep(0.001)
     sent = confirmed = 0                     # publishes wholly handed to the kernel
-    sent_bytes = pending = 0
+    pending = 0
     buf = bytearray()
     closed = None
     gap = per / rate if rate else 0.0        # paced: a batch every gap seconds, no catching up after a stall
@@ -247,9 +250,6 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
                     n = sock.send(view[len(batch) - pending:])
                 except socket.timeout:
                     continue
-                sent_bytes += n
-                if board is not None:
-                    board[at + 2] = sent_bytes
                 pending -= n
                 if not pending:
                     sent += per
@@ -286,59 +286,43 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
         closed = closed or f"the connection failed: {exc}"
     finally:                                 # reported whatever happened: the run waits for both
         counts.put(("sent", sent, closed))
-        counts.put(("taken", taken_by_broker(ends, sent_bytes, one)))
         sock.close()
 
 
-def taken_by_broker(ends: tuple[str, str], sent_bytes: int, one: float) -> int:
-    """Publishes the broker has read off this connection: what the kernel took from us less what still
-    waits in the buffers of either end."""
-    return int(max(0, sent_bytes - socket_queues(ends)["to_peer"]) // one)
+BOARD_SLOTS = 3                              # a publisher's local port, bytes of one publish, of its set-up
+SEEN_SLOTS = 3                               # the consumer's local port, bytes of its set-up, of one delivery
 
 
-BOARD_SLOTS = 3                              # a publisher's local port, bytes of one publish, bytes sent
-
-
-def taken_by_publishers(board, publishers: int, port: int) -> int:
-    """``taken_by_broker`` summed over every publisher on ``board``, from one read of /proc/net/tcp (a
-    read in each of a hundred publishers, inside the window the figures come from, took CPU from both the
-    broker and the rates). Publishers go on sending meanwhile: each one's bytes sent is the mean of what
-    it showed before and after the read."""
-    before = board[:]
-    ends, at = [], []
-    for i in range(publishers):
-        local = before[BOARD_SLOTS * i]
-        if local:                            # a publisher that has not connected has sent nothing
-            ends.append((end_key("127.0.0.1", local), end_key("127.0.0.1", port)))
-            at.append(BOARD_SLOTS * i)
-    queues = socket_queues_of(ends)
-    after = board[:]
+def held_now(board, publishers: int, seen, port: int) -> int:
+    """Messages the broker holds at this instant: publishes it has read off the publishers' sockets less
+    deliveries it has written to the consumer's (``broker_ends``: one dump for every connection)."""
+    ends = broker_ends(port)
     taken = 0
-    for j, q in zip(at, queues):
-        sent = (before[j + 2] + after[j + 2]) / 2
-        taken += int(max(0, sent - q["to_peer"]) // before[j + 1])
-    return taken
+    for at in range(0, BOARD_SLOTS * publishers, BOARD_SLOTS):
+        local, one, setup = board[at:at + BOARD_SLOTS]
+        if local in ends:                    # a publisher that has not connected has sent nothing
+            taken += (ends[local][0] - setup) // one
+    local, setup, one = seen[:]
+    written = (ends[local][1] - setup) // one if local in ends and one else 0
+    return max(0, taken - written)
 
 
-def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts) -> None:
+def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: float, counts, seen) -> None:
+    """``seen``: this consumer's local port, bytes it received setting up the connection and bytes of one
+    delivery (once one came), for the readings of what the broker holds (``held_now``)."""
     conn = Connection(port)
     # auto-delete: the queue goes with this consumer, so no run leaves a backlog behind for the next
     conn.call(commands.Queue.Declare(queue=queue, durable=True, auto_delete=True), "Queue.DeclareOk")
     conn.call(commands.Basic.Consume(queue=queue, no_ack=no_ack), "Basic.ConsumeOk")
-    ready.set()
     sock = conn.sock
-    ends = loopback_ends(sock)
     sock.settimeout(0.2)
     buf = conn.buf
     delivered = in_window = 0
     last_tag = acked = 0
-    got_bytes = 0
-    # delivered half-way through and at the stop, counting what was on its way in the sockets then
-    marks, passed = [(start + stop) / 2, stop], []
+    seen[1] = conn.received - len(buf)       # the port last: a port on the board says the rest is there
+    seen[0] = sock.getsockname()[1]
+    ready.set()
     while time.time() < stop + 2:
-        if len(passed) < len(marks) and time.time() >= marks[len(passed)]:
-            waiting = socket_queues(ends)["from_peer"] + len(buf)
-            passed.append(delivered + (waiting * delivered // got_bytes if got_bytes else 0))
         try:
             data = sock.recv(CHUNK)
         except socket.timeout:
@@ -346,11 +330,15 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
         if not data:
             break
         buf += data
-        got_bytes += len(data)
         found, used = frames_in(buf)
         now = time.time()
+        first = None
         for ftype, _, ps, pe in found:
             if ftype == 1 and buf[ps:ps + 4] == DELIVER:
+                if not seen[2]:              # every delivery the same size: from one start to the next
+                    if first is not None:
+                        seen[2] = ps - first
+                    first = ps
                 delivered += 1
                 if start <= now < stop:
                     in_window += 1
@@ -362,8 +350,6 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
             acked = last_tag
     counts.put(("delivered", in_window))
     counts.put(("delivered_by_end", delivered))
-    passed += [delivered] * (len(marks) - len(passed))
-    counts.put(("written", (passed[1], passed[0])))
     sock.close()
 
 
@@ -396,7 +382,8 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     counts, ready = ctx.Queue(), ctx.Event()
     start = time.time() + 2.0
     stop = start + seconds
-    procs = [ctx.Process(target=consumer, args=(port, queue, no_ack, ready, start, stop, counts))]
+    seen = ctx.RawArray("q", SEEN_SLOTS)
+    procs = [ctx.Process(target=consumer, args=(port, queue, no_ack, ready, start, stop, counts, seen))]
     procs[0].start()
     if not ready.wait(30):
         raise SystemExit("raw driver: the consumer did not start")
@@ -408,16 +395,18 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     procs.append(ctx.Process(target=depth_sampler, args=(port, queue, start, stop, counts)))
     for p in procs[1:]:
         p.start()
-    time.sleep(max(0.0, (start + stop) / 2 - time.time()))
-    taken_mid = taken_by_publishers(board, publishers, port)
+    # What the broker held (read off the publishers' sockets, not yet written to the consumer's; wherever
+    # it keeps it: queue, mailboxes, rings, unparsed input) half-way through and when publishing stopped.
+    # Each publisher's credit keeps some in flight, so what tells a growing backlog is the difference.
+    held = []
+    for mark in ((start + stop) / 2, stop):
+        time.sleep(max(0.0, mark - time.time()))
+        held.append(held_now(board, publishers, seen, port))
     got: dict = {}
     closed = []
-    for _ in range(2 * len(procs) + 1):     # each publisher and the sampler report twice, the consumer thrice
+    for _ in range(len(procs) + 2):         # each publisher reports once, the consumer and the sampler twice
         kind, n, *why = counts.get(timeout=seconds + 60)
-        if type(n) is tuple:                # (at the stop, half-way)
-            got[kind] = tuple(map(sum, zip(got.get(kind, (0, 0)), n)))
-        else:
-            got[kind] = got.get(kind, 0) + n
+        got[kind] = got.get(kind, 0) + n
         if why and why[0]:
             closed.append(why[0])
     for p in procs:
@@ -427,18 +416,14 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     if closed:                              # what it sent after that was never taken: no rate to give
         raise SystemExit(f"raw driver: the broker closed a publisher: {closed[0]}")
     sent, delivered = got.get("sent", 0), got.get("delivered", 0)
-    # What the broker held (read off the publishers' sockets, not yet written to the consumer's; wherever
-    # it keeps it: queue, mailboxes, rings, unparsed input) half-way through and when publishing stopped.
-    # Each publisher's credit keeps some in flight, so what tells a growing backlog is the difference.
-    taken_stop, (written_stop, written_mid) = got.get("taken", 0), got.get("written", (0, 0))
-    held_mid, held = max(0, taken_mid - written_mid), max(0, taken_stop - written_stop)
+    held_mid, held_stop = held
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,
             "depth_max": got.get("depth_max", 0), "depth_end": got.get("depth_end", 0),
-            "held_mid": held_mid, "held_at_stop": held,
+            "held_mid": held_mid, "held_at_stop": held_stop,
             # over the second half what the broker held grew by more than OVERRUN of what the window
             # delivered: it took publishes faster than it delivered them, so the deliver rate is what a
             # starved consumer got, not the broker's throughput
-            "overrun": held - held_mid > OVERRUN * max(1, delivered)}
+            "overrun": held_stop - held_mid > OVERRUN * max(1, delivered)}
 
 
 def number(kind, low, *, above: bool = False):
