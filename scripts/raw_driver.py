@@ -199,7 +199,7 @@ def broker_ends(port: int) -> dict[int, tuple[int, int]]:
                 if kind == NLMSG_DONE:
                     return ends
                 if kind == NLMSG_ERROR:
-                    raise OSError("raw driver: the kernel refused the socket dump")
+                    raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "the kernel refused the dump")
                 *_, sport, dport, _, _, unread, unsent, _, _ = DIAG_MSG.unpack_from(data, at)
                 attr, end = at + DIAG_MSG.size, at + length
                 while attr < end:
@@ -378,6 +378,10 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     sample. ``rate``: all publishers together publish at most this many messages a second (None: as fast
     as the socket takes them)."""
     queue = queue or f"raw-{os.getpid()}-{time.time_ns() % 10**9}"
+    try:
+        broker_ends(port)                   # the readings of what the broker holds need it: asked first
+    except OSError as exc:
+        raise SystemExit(f"raw driver: the kernel does not give sockets' byte counts (sock_diag): {exc}")
     ctx = multiprocessing.get_context("fork")
     counts, ready = ctx.Queue(), ctx.Event()
     start = time.time() + 2.0

@@ -200,6 +200,20 @@ def test_more_publishers_are_told_as_a_share_of_the_fewest_publishers_rate_unpac
     assert bench.against_fewest([row(1, 53433, 45525)]) == []
 
 
+def test_a_kernel_that_gives_no_socket_counts_is_told_before_anything_starts(monkeypatch):
+    import multiprocessing
+
+    rd = raw_driver()
+
+    def refused(port):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(rd, "broker_ends", refused)
+    with pytest.raises(SystemExit, match=r"sock_diag.*not permitted"):
+        rd.run(1, seconds=1)
+    assert multiprocessing.active_children() == []
+
+
 def test_one_dump_gives_what_the_broker_s_end_of_each_connection_read_and_wrote():
     """The readings of what the broker holds ask the kernel once for every connection: bytes the broker's
     end has read (not those still waiting unread) and written (those the client has not read too)."""
