@@ -448,8 +448,9 @@ def build_parser() -> Parser:
     ctl.add_argument("action", type=lambda s: s.replace("_", "-"),     # rabbitmqctl's set_vhost_limits works too
                      choices=("status", "alarms", "set-watermark", "set-disk-free-limit", "set-vhost-limits",
                               "list-vhost-limits", "clear-vhost-limits", "close-connection", "delete-queue",
-                              "purge-queue", "kill", "stop", *LIST_ACTIONS),
+                              "purge-queue", "kill", "crash", "stop", *LIST_ACTIONS),
                      help="kill NAME: crash one stage at once, as SIGKILL would (one in a shared process alone); "
+                          "crash NAME: make one stage in a shared process raise, as a bug in it would; "
                           "set-vhost-limits JSON: '{\"max-connections\": 100, \"max-queues\": 50}' "
                           "(negative: no limit); close-connection NAME [REASON]: the client gets 320 "
                           "CONNECTION_FORCED - REASON (NAME as list-connections name shows it, or reader-N); "
@@ -532,13 +533,13 @@ def cmd_ctl(args) -> int:
         raise UsageError(f"creditflow ctl: {args.action} takes at most {most} value(s), got {len(args.value)}")
     reason = args.value[1] if len(args.value) > 1 else CTL_CLOSE_REASON
     args.value = args.value[0] if args.value else None
-    if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill", "close-connection",
+    if args.action in ("set-watermark", "set-disk-free-limit", "set-vhost-limits", "kill", "crash", "close-connection",
                        "delete-queue", "purge-queue") and args.value is None:
         raise UsageError(f"creditflow ctl: {args.action} needs a value")
     try:
         with CtlClient(args.data_dir) as client:
             cmd = args.action.replace("-", "_")
-            if args.action == "kill":
+            if args.action in ("kill", "crash"):
                 reply = client.request(cmd, name=args.value)
             elif args.action == "close-connection":
                 reply = client.request(cmd, name=args.value, reason=reason)

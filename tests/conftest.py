@@ -98,13 +98,14 @@ class Broker:
         with CtlClient(str(self.data_dir)) as client:
             return client.request("status")
 
-    def kill(self, name: str) -> dict:
+    def kill(self, name: str, how: str = "kill") -> dict:
         """Crash one stage at once (``ctl kill``): SIGKILL for a process of its own, the stage alone in a
-        shared one. Returns it as ``status`` showed it just before."""
+        shared one; with ``how="crash"`` (``ctl crash``) make it raise in its host, as a bug would.
+        Returns it as ``status`` showed it just before."""
         from pipeline.ctlclient import CtlClient
         before = self.process(name)
         with CtlClient(str(self.data_dir)) as client:
-            assert client.request("kill", name=name)["ok"]
+            assert client.request(how, name=name)["ok"]
         return before
 
     def process(self, prefix: str, timeout_s: float = 10.0) -> dict:

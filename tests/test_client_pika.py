@@ -588,6 +588,25 @@ def test_a_delivery_tag_that_is_not_outstanding_closes_the_channel(amqp, case):
         assert depth(conn.channel(), q) == 2    # the first ack stands; the closed channel's others went back
 
 
+def test_a_multiple_ack_of_tag_0_acks_all_outstanding_and_with_none_is_no_error(amqp):
+    """Of five gets, the second is acked alone; tag 0 with multiple then acks the other four, and again with
+    none outstanding the channel goes on (RabbitMQ's rule); a sixth get is acked by tag 0 as well."""
+    q = amqp.name("ack-all")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        for i in range(6):
+            ch.basic_publish("", q, b"%d" % i)
+        tags = [get_one(ch, q)[0].delivery_tag for _ in range(5)]
+        ch.basic_ack(tags[1])
+        ch.basic_ack(0, multiple=True)
+        ch.basic_ack(0, multiple=True)
+        assert get_one(ch, q)[2] == b"5"        # the channel is open: the sixth is there to get
+        ch.basic_ack(0, multiple=True)
+        ch.close()
+        assert depth(conn.channel(), q) == 0    # all six acked: none went back with the channel's close
+
+
 def test_an_ack_just_before_its_channel_closes_on_an_error_is_never_undone(amqp):
     """As RabbitMQ: the refused channel's queues have taken its ack and its unacked messages back before
     the client hears of the close, so the next channel finds exactly what was not acked, every time.

@@ -132,13 +132,48 @@ def test_a_killed_reader_takes_only_its_connection_and_its_unacked_messages_go_b
     other.close()
 
 
-def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on(broker):
+@pytest.mark.parametrize("how", ["kill", "crash"])
+def test_a_dead_reader_s_client_sees_its_connection_go_and_the_others_carry_on(broker, how):
+    """Killed, or raising in its host as a bug would (``ctl crash``): either way its socket closes, as a
+    dead process's does, so the client hears at once. (A crashed reader's socket once stayed open: the
+    broker had closed the connection, and its client waited on it forever.)"""
     bystander = connect(broker)
     bch = bystander.channel()
     bch.queue_declare("b")
     victim = connect(broker)
     victim.channel().queue_declare("v")
-    broker.kill("channel-2.1")
+    broker.kill("reader-2", how)
+    began = time.monotonic()
+    with pytest.raises(pika.exceptions.AMQPConnectionError):
+        for _ in range(100):
+            victim.process_data_events(0.05)
+    assert time.monotonic() - began < 4
+    bch.basic_publish("", "b", b"fine")
+    assert bch.basic_get("b", auto_ack=True)[2] == b"fine"
+    death = broker.wait_for(lambda s: [d for d in s["deaths"] if d["name"] == "reader-2"],
+                            what="the reader's death")["deaths"][0]
+    assert (death["how"], death["action"]) == ({"kill": "killed", "crash": "exit code 70"}[how], "close_connection")
+    if how == "crash":
+        assert "StageCrash: ctl crash reader-2" in broker.output()
+    bystander.close()
+
+
+def test_ctl_crash_refuses_a_stage_nothing_would_catch_and_one_that_is_not_there(broker):
+    for name, error in (("store", "store runs in a process of its own: kill ends it"), ("nosuch", "no stage 'nosuch'")):
+        done = subprocess.run(creditflow_cmd("ctl", "--data-dir", str(broker.data_dir), "crash", name),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and json.loads(done.stdout) == {"ok": False, "error": error}
+    assert broker.status()["processes"]["store"]["alive"]
+
+
+@pytest.mark.parametrize("how", ["kill", "crash"])
+def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on(broker, how):
+    bystander = connect(broker)
+    bch = bystander.channel()
+    bch.queue_declare("b")
+    victim = connect(broker)
+    victim.channel().queue_declare("v")
+    broker.kill("channel-2.1", how)
     with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
         for _ in range(100):
             victim.process_data_events(0.05)
@@ -150,7 +185,8 @@ def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on
     bystander.close()
 
 
-def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consumers(broker):
+@pytest.mark.parametrize("how", ["kill", "crash"])
+def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consumers(broker, how):
     conn = connect(broker)
     ch = conn.channel()
     ch.queue_declare("dq", durable=True)
@@ -164,7 +200,7 @@ def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consu
     wch.basic_consume("dq", lambda *a: None)
     wch.add_on_cancel_callback(lambda method: cancelled.append(method.method.consumer_tag))
     watcher.process_data_events(0.3)
-    old = broker.kill("queue-dq")
+    old = broker.kill("queue-dq", how)
     while not cancelled:
         watcher.process_data_events(0.1)       # pika announces consumer_cancel_notify: basic.cancel
     status = broker.wait_for(lambda s: s["processes"]["queue-dq"]["restarts"] > old["restarts"]
@@ -179,7 +215,8 @@ def test_a_killed_durable_queue_restarts_with_its_messages_and_cancels_its_consu
         bodies.append(m[2])
     assert bodies == [f"m{i}".encode() for i in range(50)] + [b"after"]
     death = [d for d in deaths(broker) if d["name"] == "queue-dq"][0]
-    assert death["action"] == "restart" and death["how"] == "killed" and death["restarted_pid"] is not None
+    assert death["action"] == "restart" and death["restarted_pid"] is not None
+    assert death["how"] == {"kill": "killed", "crash": "exit code 70"}[how]
     log = broker.output()
     assert "Restarting crashed queue 'dq' in vhost '/'." in log
     assert {"stage_died", "stage_restarted"} <= telemetry_events(broker)

@@ -64,6 +64,10 @@ HOST_STATS_PER_S = 50              # statistics snapshots a host's stages push a
 MAX_STATS_INTERVAL_NS = 1_000_000_000
 
 
+class StageCrash(Exception):
+    """What ``ctl crash`` raises in a stage's place."""
+
+
 class StageView:
     """One stage's view of its host's selector: what it registers comes back tagged with the stage."""
 
@@ -172,6 +176,13 @@ class Host:
                 stage = self.stages.get(msg.get("name"))
                 if stage is not None:
                     self.drop(stage, KILLED, "killed")
+            elif kind == "crash":               # ctl crash: as a bug raising in its turn would
+                stage = self.stages.get(msg.get("name"))
+                if stage is not None:
+                    try:
+                        raise StageCrash(f"ctl crash {stage.name}")
+                    except StageCrash:
+                        self.crashed(stage)
             elif kind == "stop":
                 self.stopping = True
             else:
@@ -333,7 +344,8 @@ class Host:
             for record in link.overflow:
                 bodies.let_go_unsent(record, link.peer_holder)
             link.overflow.clear()
-        if code == KILLED:                 # no goodbye: its links and socket just close
+        if code in (KILLED, EXIT_STAGE_CRASHED):   # no goodbye: its links and socket just close, as a
+            # process's do when it dies (a crashed reader's client once waited on an open socket forever)
             for link in list(stage.out_links.values()) + list(stage.in_links.values()):
                 link.close()
             sock = getattr(stage, "sock", None)

@@ -1270,6 +1270,8 @@ class Supervisor:
             return {"ok": True}
         if cmd == "kill":
             return self.kill_stage(req.get("name"))
+        if cmd == "crash":
+            return self.crash_stage(req.get("name"))
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
     def kill_stage(self, name) -> dict:
@@ -1282,6 +1284,19 @@ class Supervisor:
             self.tell(host, {"type": "kill", "name": name})
         else:
             os.kill(proc.pid, signal.SIGKILL)
+        return {"ok": True, "pid": proc.pid, "host": proc.host}
+
+    def crash_stage(self, name) -> dict:
+        """Make one stage in a host raise, as a bug in it would (Erlang's ``exit(Pid, Reason)``): its host
+        drops it alone and it dies as its kind dies (exit code 70). A stage in a process of its own has
+        nothing to catch it: ``kill`` ends it."""
+        proc = self.procs.get(name) if isinstance(name, str) else None
+        if proc is None or proc.kind == "host":
+            return {"ok": False, "error": f"no stage {name!r}"}
+        host = self.procs.get(proc.host) if proc.host is not None else None
+        if host is None:
+            return {"ok": False, "error": f"{name} runs in a process of its own: kill ends it"}
+        self.tell(host, {"type": "crash", "name": name})
         return {"ok": True, "pid": proc.pid, "host": proc.host}
 
     # -- what the management API (and ctl) change: connections and queues ---------------------------
