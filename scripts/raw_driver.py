@@ -17,10 +17,12 @@ for the queue's depth (a passive queue.declare) four times a second.
 Half-way through and when publishing stops, the driver asks the kernel
 (sock_diag over netlink: the broker is on this machine) for the byte counts
 of the broker's end of every connection: what it has read off each
-publisher's socket and what it has written to the consumer's. Both come from
-one dump at one instant, exact to the byte (the listing in /proc/net/tcp counts
-bytes sent and not yet acknowledged at both ends, and readings taken apart
-in time by a publisher and the consumer differed by what moved in between).
+publisher's socket and what it has written to the consumer's, each to the
+byte, all in one dump a few microseconds long (the listing in /proc/net/tcp
+counts bytes sent and not yet acknowledged at both ends, and readings taken
+apart in time by a publisher and the consumer differed by what moved in
+between). The publishers keep their sockets open until the reading at the
+stop has been taken.
 So a run knows what the broker itself held then: publishes it had read and
 deliveries it had not yet written, wherever it keeps them (queue, mailboxes,
 rings, unparsed input). With many publishers most of what they "published"
@@ -36,6 +38,7 @@ usage: scripts/raw_driver.py --port 5672 [--size 100] [--seconds 10] [--publishe
 from __future__ import annotations
 
 import argparse
+import errno
 import multiprocessing
 import os
 import select
@@ -55,6 +58,7 @@ CHUNK = 1 << 18
 BATCH = 64
 OVERRUN = 0.10
 SEND_WAIT_S = 0.05
+READ_WAIT_S = 30                             # a publisher keeps its socket open for the reading at the stop
 DEPTH_EVERY_S = 0.25
 
 
@@ -183,40 +187,51 @@ TCP_INFO_BYTES_AT = 120
 
 def broker_ends(port: int) -> dict[int, tuple[int, int]]:
     """For each connection to the broker on ``port`` (by the client's port): the bytes the broker has read
-    off it and written to it, from one sock_diag dump of the broker's end (its receive count less what
-    waits unread; its acknowledged bytes plus what waits to be sent or acknowledged)."""
-    nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)   # NETLINK_SOCK_DIAG
-    try:
-        nl.sendto(SOCK_DIAG.pack(SOCK_DIAG.size, SOCK_DIAG_BY_FAMILY, 0x301, 1, 0,      # request, dump
-                                 socket.AF_INET, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 1 << 1,
-                                 socket.htons(port), 0, 0), (0, 0))                # established only
-        ends: dict[int, tuple[int, int]] = {}
-        while True:
-            data = nl.recv(1 << 16)
-            at = 0
-            while at < len(data):
-                length, kind = struct.unpack_from("=IH", data, at)
-                if kind == NLMSG_DONE:
-                    return ends
-                if kind == NLMSG_ERROR:
-                    raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "the kernel refused the dump")
-                *_, sport, dport, _, _, unread, unsent, _, _ = DIAG_MSG.unpack_from(data, at)
-                attr, end = at + DIAG_MSG.size, at + length
-                while attr < end:
-                    size, attr_kind = struct.unpack_from("=HH", data, attr)
-                    if attr_kind == INET_DIAG_INFO and socket.ntohs(sport) == port:
-                        acked, received = TCP_INFO_BYTES.unpack_from(data, attr + 4 + TCP_INFO_BYTES_AT)
-                        ends[socket.ntohs(dport)] = (received - unread, acked + unsent)
-                    attr += (size + 3) & ~3
-                at += (length + 3) & ~3
-    finally:
-        nl.close()
+    off it and written to it, from sock_diag dumps of the broker's ends, IPv4 and IPv6 (a dual-stack
+    listener's end of a connection to 127.0.0.1 is IPv6): its receive count less what waits unread; its
+    acknowledged bytes plus what waits to be sent or acknowledged."""
+    ends: dict[int, tuple[int, int]] = {}
+    for family in (socket.AF_INET, socket.AF_INET6):
+        nl = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4)   # NETLINK_SOCK_DIAG
+        try:
+            nl.sendto(SOCK_DIAG.pack(SOCK_DIAG.size, SOCK_DIAG_BY_FAMILY, 0x301, 1, 0,      # request, dump
+                                     family, socket.IPPROTO_TCP, 1 << (INET_DIAG_INFO - 1), 1 << 1,
+                                     socket.htons(port), 0, 0), (0, 0))                # established only
+            while _read_dump(nl.recv(1 << 16), port, ends):
+                pass
+        finally:
+            nl.close()
+    return ends
+
+
+def _read_dump(data: bytes, port: int, ends: dict) -> bool:
+    """Add one netlink answer's sockets to ``ends``; False once the dump is done."""
+    at = 0
+    while at < len(data):
+        length, kind = struct.unpack_from("=IH", data, at)
+        if kind == NLMSG_DONE:
+            return False
+        if kind == NLMSG_ERROR:
+            raise OSError(-struct.unpack_from("=i", data, at + 16)[0], "the kernel refused the dump")
+        *_, sport, dport, _, _, unread, unsent, _, _ = DIAG_MSG.unpack_from(data, at)
+        attr, end = at + DIAG_MSG.size, at + length
+        while attr < end:
+            size, attr_kind = struct.unpack_from("=HH", data, attr)
+            if attr_kind == INET_DIAG_INFO and socket.ntohs(sport) == port:
+                if size - 4 < TCP_INFO_BYTES_AT + TCP_INFO_BYTES.size:
+                    raise OSError(errno.ENOTSUP, "the kernel's tcp_info has no byte counts (Linux 4.1 has)")
+                acked, received = TCP_INFO_BYTES.unpack_from(data, attr + 4 + TCP_INFO_BYTES_AT)
+                ends[socket.ntohs(dport)] = (received - unread, acked + unsent)
+            attr += (size + 3) & ~3
+        at += (length + 3) & ~3
+    return True
 
 
 def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, start: float, stop: float,
-              counts, rate: float | None = None, board=None, index: int = 0) -> None:
+              counts, rate: float | None = None, board=None, index: int = 0, read=None) -> None:
     """``board[BOARD_SLOTS * index:]``: this publisher's local port, bytes of one publish and bytes it sent
-    setting up the connection, for the readings of what the broker holds (``held_now``)."""
+    setting up the connection, for the readings of what the broker holds (``held_now``); the socket stays
+    open until ``read`` is set, so the reading at the stop still finds it."""
     conn = Connection(port)
     if confirm:
         conn.call(commands.Confirm.Select(), "Confirm.SelectOk")
@@ -284,8 +299,10 @@ def publisher(port: int, queue: str, size: int, persistent: bool, confirm: int, 
             pending = len(batch)
     except OSError as exc:                   # reset, broken pipe: the run ends with the reason
         closed = closed or f"the connection failed: {exc}"
-    finally:                                 # reported whatever happened: the run waits for both
+    finally:                                 # reported whatever happened: the run waits for it
         counts.put(("sent", sent, closed))
+        if read is not None:
+            read.wait(READ_WAIT_S)
         sock.close()
 
 
@@ -319,6 +336,7 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
     buf = conn.buf
     delivered = in_window = 0
     last_tag = acked = 0
+    parsed, first_at = 0, None               # bytes parsed before ``buf``; where the first delivery began
     seen[1] = conn.received - len(buf)       # the port last: a port on the board says the rest is there
     seen[0] = sock.getsockname()[1]
     ready.set()
@@ -332,19 +350,19 @@ def consumer(port: int, queue: str, no_ack: bool, ready, start: float, stop: flo
         buf += data
         found, used = frames_in(buf)
         now = time.time()
-        first = None
         for ftype, _, ps, pe in found:
             if ftype == 1 and buf[ps:ps + 4] == DELIVER:
                 if not seen[2]:              # every delivery the same size: from one start to the next
-                    if first is not None:
-                        seen[2] = ps - first
-                    first = ps
+                    if first_at is not None:
+                        seen[2] = parsed + ps - first_at
+                    first_at = parsed + ps
                 delivered += 1
                 if start <= now < stop:
                     in_window += 1
                 # basic.deliver: consumer tag (shortstr), then the u64 delivery tag
                 last_tag = struct.unpack_from(">Q", buf, ps + 5 + buf[ps + 4])[0]
         del buf[:used]
+        parsed += used
         if not no_ack and last_tag > acked:     # a tag acked twice is a channel error (406 unknown delivery tag)
             sock.sendall(marshal(1, commands.Basic.Ack(delivery_tag=last_tag, multiple=True)))
             acked = last_tag
@@ -383,7 +401,7 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     except OSError as exc:
         raise SystemExit(f"raw driver: the kernel does not give sockets' byte counts (sock_diag): {exc}")
     ctx = multiprocessing.get_context("fork")
-    counts, ready = ctx.Queue(), ctx.Event()
+    counts, ready, read = ctx.Queue(), ctx.Event(), ctx.Event()
     start = time.time() + 2.0
     stop = start + seconds
     seen = ctx.RawArray("q", SEEN_SLOTS)
@@ -391,10 +409,16 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     procs[0].start()
     if not ready.wait(30):
         raise SystemExit("raw driver: the consumer did not start")
+    try:
+        if seen[0] not in broker_ends(port):
+            raise OSError(errno.ENOENT, "the consumer's connection is not in it")
+    except OSError as exc:
+        procs[0].kill()
+        raise SystemExit(f"raw driver: the kernel's dump of the broker's sockets will not do: {exc}")
     each = rate / publishers if rate else None
     board = ctx.RawArray("q", BOARD_SLOTS * publishers)
     procs += [ctx.Process(target=publisher, args=(port, queue, size, persistent, confirm, start, stop, counts, each,
-                                                  board, i))
+                                                  board, i, read))
               for i in range(publishers)]
     procs.append(ctx.Process(target=depth_sampler, args=(port, queue, start, stop, counts)))
     for p in procs[1:]:
@@ -402,10 +426,15 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
     # What the broker held (read off the publishers' sockets, not yet written to the consumer's; wherever
     # it keeps it: queue, mailboxes, rings, unparsed input) half-way through and when publishing stopped.
     # Each publisher's credit keeps some in flight, so what tells a growing backlog is the difference.
-    held = []
-    for mark in ((start + stop) / 2, stop):
-        time.sleep(max(0.0, mark - time.time()))
-        held.append(held_now(board, publishers, seen, port))
+    held, failed = [], None
+    try:
+        for mark in ((start + stop) / 2, stop):
+            time.sleep(max(0.0, mark - time.time()))
+            held.append(held_now(board, publishers, seen, port))
+    except OSError as exc:
+        failed = f"raw driver: the kernel's dump of the broker's sockets failed: {exc}"
+    finally:
+        read.set()                          # the publishers close their sockets
     got: dict = {}
     closed = []
     for _ in range(len(procs) + 2):         # each publisher reports once, the consumer and the sampler twice
@@ -419,6 +448,8 @@ def run(port: int, size: int = 100, seconds: float = 10, publishers: int = 1, pe
             p.kill()
     if closed:                              # what it sent after that was never taken: no rate to give
         raise SystemExit(f"raw driver: the broker closed a publisher: {closed[0]}")
+    if failed:
+        raise SystemExit(failed)
     sent, delivered = got.get("sent", 0), got.get("delivered", 0)
     held_mid, held_stop = held
     return {"deliver_rate": delivered / seconds, "publish_rate": sent / seconds,

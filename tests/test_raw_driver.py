@@ -200,6 +200,49 @@ def test_more_publishers_are_told_as_a_share_of_the_fewest_publishers_rate_unpac
     assert bench.against_fewest([row(1, 53433, 45525)]) == []
 
 
+def test_a_dual_stack_listener_s_end_of_a_connection_to_127_0_0_1_is_in_the_dump():
+    """A broker listening on [::] (RabbitMQ's default) holds IPv6 ends of the driver's IPv4 connections."""
+    import socket
+
+    srv = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    c = socket.create_connection(("127.0.0.1", srv.getsockname()[1]))
+    a, _ = srv.accept()
+    try:
+        c.sendall(b"x" * 700)
+        time.sleep(0.05)
+        assert a.recv(200) == b"x" * 200
+        assert raw_driver().broker_ends(srv.getsockname()[1]) == {c.getsockname()[1]: (200, 0)}
+    finally:
+        c.close()
+        a.close()
+        srv.close()
+
+
+def test_what_the_broker_holds_is_publishes_read_less_deliveries_written(monkeypatch):
+    """``held_now`` over what a dump gives: set-up bytes are not messages, a publisher not yet connected
+    has sent nothing, and until the consumer has measured a delivery nothing counts as written."""
+    import ctypes
+
+    rd = raw_driver()
+    board = (ctypes.c_int64 * (2 * rd.BOARD_SLOTS))(40001, 150, 300, 0, 0, 0)   # one publisher, one not yet
+    seen = (ctypes.c_int64 * rd.SEEN_SLOTS)(40009, 500, 0)
+    ends = {40001: (300 + 150 * 1000, 0), 40009: (0, 500 + 180 * 400)}
+    monkeypatch.setattr(rd, "broker_ends", lambda port: ends)
+    assert rd.held_now(board, 2, seen, 5672) == 1000           # the consumer's delivery size not known yet
+    seen[2] = 180
+    assert rd.held_now(board, 2, seen, 5672) == 600
+    ends[40009] = (0, 500 + 180 * 1200)                        # more written than read: never below 0
+    assert rd.held_now(board, 2, seen, 5672) == 0
+
+
+def test_bodies_bigger_than_one_read_still_tell_what_the_broker_holds(broker):
+    """300 KB bodies: no read holds two deliveries, and the consumer still learns a delivery's size (once
+    it did not, so everything the broker had read counted as held, and every such run was starred)."""
+    run = raw_driver().run(broker.port, size=300_000, seconds=2, queue="raw-big")
+    assert run["deliver_rate"] > 10
+    assert not run["overrun"] and run["held_at_stop"] < 500, run
+
+
 def test_a_kernel_that_gives_no_socket_counts_is_told_before_anything_starts(monkeypatch):
     import multiprocessing
 
