@@ -132,16 +132,24 @@ def test_a_killed_reader_takes_only_its_connection_and_its_unacked_messages_go_b
     other.close()
 
 
-@pytest.mark.parametrize("how", ["kill", "crash"])
-def test_a_dead_reader_s_client_sees_its_connection_go_and_the_others_carry_on(broker, how):
-    """Killed, or raising in its host as a bug would (``ctl crash``): either way its socket closes, as a
-    dead process's does, so the client hears at once. (A crashed reader's socket once stayed open: the
-    broker had closed the connection, and its client waited on it forever.)"""
+def bystander_and_victim(broker):
+    """Two connections, each with a channel that declared a queue: the first's reader is reader-1 and its
+    channel channel-1.1, the second's reader-2 and channel-2.1. Returns the bystander, its channel and the
+    victim."""
     bystander = connect(broker)
     bch = bystander.channel()
     bch.queue_declare("b")
     victim = connect(broker)
     victim.channel().queue_declare("v")
+    return bystander, bch, victim
+
+
+@pytest.mark.parametrize("how", ["kill", "crash"])
+def test_a_dead_reader_s_client_sees_its_connection_go_and_the_others_carry_on(broker, how):
+    """Killed, or raising in its host as a bug would (``ctl crash``): either way its socket closes, as a
+    dead process's does, so the client hears at once. (A crashed reader's socket once stayed open: the
+    broker had closed the connection, and its client waited on it forever.)"""
+    bystander, bch, victim = bystander_and_victim(broker)
     broker.kill("reader-2", how)
     began = time.monotonic()
     with pytest.raises(pika.exceptions.AMQPConnectionError):
@@ -168,11 +176,7 @@ def test_ctl_crash_refuses_a_stage_nothing_would_catch_and_one_that_is_not_there
 
 @pytest.mark.parametrize("how", ["kill", "crash"])
 def test_a_killed_channel_closes_its_connection_with_541_and_the_others_carry_on(broker, how):
-    bystander = connect(broker)
-    bch = bystander.channel()
-    bch.queue_declare("b")
-    victim = connect(broker)
-    victim.channel().queue_declare("v")
+    bystander, bch, victim = bystander_and_victim(broker)
     broker.kill("channel-2.1", how)
     with pytest.raises(pika.exceptions.ConnectionClosedByBroker) as closed:
         for _ in range(100):
