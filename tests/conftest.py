@@ -228,8 +228,10 @@ def raw_amqp_connection(port: int) -> socket.socket:
     s.recv(65536)
     s.sendall(frame.marshal(commands.Connection.StartOk(client_properties={}, mechanism="PLAIN",
                                                         response="\0guest\0guest"), 0))
-    s.recv(65536)
-    s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=0, frame_max=131072, heartbeat=0), 0)
+    _, _, tune = frame.unmarshal(s.recv(65536))
+    # the server's own limits (RabbitMQ refuses a channel_max over its 2047)
+    s.sendall(frame.marshal(commands.Connection.TuneOk(channel_max=tune.channel_max, frame_max=tune.frame_max,
+                                                       heartbeat=0), 0)
               + frame.marshal(commands.Connection.Open(), 0))
     s.recv(65536)
     return s

@@ -607,6 +607,57 @@ def test_a_multiple_ack_of_tag_0_acks_all_outstanding_and_with_none_is_no_error(
         assert depth(conn.channel(), q) == 0    # all six acked: none went back with the channel's close
 
 
+def test_acks_rejects_and_a_bad_tag_in_one_write_are_taken_in_the_client_s_order(amqp):
+    """Written in one go, so the broker reads them together: ack 1, reject 2 with requeue, ack 3, ack 99.
+    The channel closes with 406 for tag 99, after the three before it took effect: 1 and 3 are gone, 2 is
+    back, redelivered, and 4 and 5 (got, never acked) go back with the channel."""
+    from pamqp import commands, frame
+
+    from conftest import raw_amqp_connection
+    q = amqp.name("settle-order")
+    with connect(amqp) as conn:
+        ch = conn.channel()
+        ch.queue_declare(q)
+        ch.confirm_delivery()                   # all five in the queue before the gets
+        for i in range(1, 6):
+            ch.basic_publish("", q, b"m%d" % i)
+        sock = raw_amqp_connection(amqp.port)
+        try:
+            sock.sendall(frame.marshal(commands.Channel.Open(), 1)
+                         + b"".join(frame.marshal(commands.Basic.Get(queue=q), 1) for _ in range(5)))
+            seen, buf = [], b""
+            while sum(isinstance(m, commands.Basic.GetOk) for m in seen) < 5:
+                buf += sock.recv(65536)
+                while buf:
+                    try:
+                        used, _, method = frame.unmarshal(buf)
+                    except Exception:          # an incomplete frame: read on
+                        break
+                    buf = buf[used:]
+                    seen.append(method)
+            tags = [m.delivery_tag for m in seen if isinstance(m, commands.Basic.GetOk)]
+            sock.sendall(frame.marshal(commands.Basic.Ack(delivery_tag=tags[0]), 1)
+                         + frame.marshal(commands.Basic.Reject(delivery_tag=tags[1], requeue=True), 1)
+                         + frame.marshal(commands.Basic.Ack(delivery_tag=tags[2]), 1)
+                         + frame.marshal(commands.Basic.Ack(delivery_tag=99), 1))
+            closed = None
+            while closed is None:
+                buf += sock.recv(65536)
+                while buf and closed is None:
+                    try:
+                        used, _, method = frame.unmarshal(buf)
+                    except Exception:
+                        break
+                    buf = buf[used:]
+                    if isinstance(method, commands.Channel.Close):
+                        closed = method
+            assert (closed.reply_code, closed.reply_text) == (406, "PRECONDITION_FAILED - unknown delivery tag 99")
+        finally:
+            sock.close()
+        got = get_all(conn.channel(), q, 3)
+        assert [body for _, body in got] == [b"m2", b"m4", b"m5"]
+
+
 def test_an_ack_just_before_its_channel_closes_on_an_error_is_never_undone(amqp):
     """As RabbitMQ: the refused channel's queues have taken its ack and its unacked messages back before
     the client hears of the close, so the next channel finds exactly what was not acked, every time.
