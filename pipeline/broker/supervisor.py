@@ -1268,35 +1268,25 @@ class Supervisor:
         if cmd == "stop":
             self.running = False
             return {"ok": True}
-        if cmd == "kill":
-            return self.kill_stage(req.get("name"))
-        if cmd == "crash":
-            return self.crash_stage(req.get("name"))
+        if cmd in ("kill", "crash"):
+            return self.kill_stage(req.get("name"), cmd)
         return {"ok": False, "error": f"unknown command {cmd!r}"}
 
-    def kill_stage(self, name) -> dict:
-        """Crash one stage at once, as a SIGKILL would (Erlang's ``exit(Pid, kill)`` for one in a host)."""
+    def kill_stage(self, name, how: str = "kill") -> dict:
+        """``kill``: crash one stage at once, as a SIGKILL would (Erlang's ``exit(Pid, kill)`` for one in
+        a host); ``crash``: make one in a host raise, as a bug in it would (``exit(Pid, Reason)``): its
+        host drops it alone and it dies as its kind dies (exit code 70). A stage in a process of its own
+        has nothing to catch it: ``kill`` ends it."""
         proc = self.procs.get(name) if isinstance(name, str) else None
         if proc is None or proc.kind == "host":
             return {"ok": False, "error": f"no stage {name!r}"}
         host = self.procs.get(proc.host) if proc.host is not None else None
         if host is not None:
-            self.tell(host, {"type": "kill", "name": name})
-        else:
+            self.tell(host, {"type": how, "name": name})
+        elif how == "kill":
             os.kill(proc.pid, signal.SIGKILL)
-        return {"ok": True, "pid": proc.pid, "host": proc.host}
-
-    def crash_stage(self, name) -> dict:
-        """Make one stage in a host raise, as a bug in it would (Erlang's ``exit(Pid, Reason)``): its host
-        drops it alone and it dies as its kind dies (exit code 70). A stage in a process of its own has
-        nothing to catch it: ``kill`` ends it."""
-        proc = self.procs.get(name) if isinstance(name, str) else None
-        if proc is None or proc.kind == "host":
-            return {"ok": False, "error": f"no stage {name!r}"}
-        host = self.procs.get(proc.host) if proc.host is not None else None
-        if host is None:
+        else:
             return {"ok": False, "error": f"{name} runs in a process of its own: kill ends it"}
-        self.tell(host, {"type": "crash", "name": name})
         return {"ok": True, "pid": proc.pid, "host": proc.host}
 
     # -- what the management API (and ctl) change: connections and queues ---------------------------
