@@ -250,7 +250,7 @@ class Host:
                 if self.stages.get(stage.name) is not stage:
                     continue
                 try:
-                    stage.on_endpoint(tag, key._replace(data=tag))
+                    stage.on_endpoint(tag)
                 except Exception:
                     self.crashed(stage)
                     continue

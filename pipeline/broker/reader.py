@@ -234,8 +234,8 @@ class Reader(Stage):
 
     handshake_wants = selectors.EVENT_READ
 
-    def on_ready(self, key) -> None:
-        if key.data != "sock":
+    def on_ready(self, tag) -> None:
+        if tag != "sock":
             return
         if self.handshaking:
             self.handshake()

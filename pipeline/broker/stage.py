@@ -352,8 +352,8 @@ class Stage:
     def on_peer_down(self, link_id: int, reason: str) -> None:
         """The link ``link_id`` is gone (already removed from the link tables)."""
 
-    def on_ready(self, key) -> None:
-        """An extra fd registered by the subclass is ready."""
+    def on_ready(self, tag) -> None:
+        """An extra fd registered by the subclass is ready (``tag``: what it was registered with)."""
 
     def after_io(self, now_ns: int) -> None:
         """Called once per loop turn after inbound records were handled."""
@@ -594,7 +594,7 @@ class Stage:
             now = time.monotonic_ns()
             collect(now)
             for key, _ in select(self.wait_timeout(now)):
-                self.on_endpoint(key.data, key)
+                self.on_endpoint(key.data)
             self.turn()
         self.shutdown()
         return self.exit_code
@@ -622,7 +622,7 @@ class Stage:
             timeout = retry if timeout is None else min(timeout, retry)
         return timeout
 
-    def on_endpoint(self, tag, key) -> None:
+    def on_endpoint(self, tag) -> None:
         """One of this stage's endpoints is ready (``tag`` is what it was registered with)."""
         if tag == "doorbell":
             try:
@@ -634,7 +634,7 @@ class Stage:
         elif tag == "ctl":
             self.handle_control()
         else:
-            self.on_ready(key)
+            self.on_ready(tag)
 
     def turn(self) -> None:
         """Read the in-links, let the subclass act, hand on the output, push statistics when due."""
