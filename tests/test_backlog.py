@@ -1130,6 +1130,9 @@ class QueueMachine(RuleBasedStateMachine):
         assert s.message_bytes_ready == sum(self.msgs[i].size for i in ready)
         assert s.message_bytes_unacknowledged == sum(self.msgs[i].size for i in unacked)
         assert s.consumers == len(self.consumers) and s.published == len(self.msgs)
+        # what the shell reads every turn instead of the whole statistics
+        assert (self.q.ready, self.q.held, self.q.consuming) == (len(ready), len(ready) + len(unacked),
+                                                                 bool(self.consumers))
         for how in ("acked", "expired", "dead_lettered", "dropped", "rejected", "purged", "deleted"):
             assert getattr(s, how) == self.ends(how), how
         assert s.published == len(ready) + len(unacked) + sum(

@@ -952,6 +952,17 @@ class Backlog:
         """Messages ready (``statistics().messages_ready``, for a shell that asks per batch)."""
         return self._ready
 
+    @property
+    def held(self) -> int:
+        """Messages ready or delivered and not yet settled: what the queue keeps in memory (per turn, where
+        ``statistics()``, a dataclass of every count, costs 3.4 us)."""
+        return self._ready + self._unacked
+
+    @property
+    def consuming(self) -> bool:
+        """Whether anyone consumes from the queue."""
+        return bool(self._consumers)
+
     def flow_totals(self) -> tuple[int, int]:
         """Messages taken in (published) and handed to consumers, since the queue began."""
         return self._published, self._delivered

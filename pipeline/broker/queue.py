@@ -96,11 +96,11 @@ class Held:
     ``content`` is the record's content with a reference that names the entry: what a DELIVER lent to a
     consumer's reader carries."""
 
-    __slots__ = ("record", "arena", "at", "entry", "content", "since_ns")
+    __slots__ = ("record", "arena", "at", "size", "entry", "content", "since_ns")
 
-    def __init__(self, record, arena, at: int, entry: int, since_ns: int):
-        self.record, self.arena, self.at, self.entry, self.since_ns = record, arena, at, entry, since_ns
-        a, _, size, _ = bodies.decode_ref(record)
+    def __init__(self, record, a: int, arena, at: int, size: int, entry: int, since_ns: int):
+        self.record, self.arena, self.at, self.size = record, arena, at, size
+        self.entry, self.since_ns = entry, since_ns
         view = memoryview(record)
         self.content = b"".join((view[wire.PUBLISH_CONTENT_OFFSET:len(record) - bodies.REF_BYTES],
                                  bodies.encode_ref(a, at, size, entry)))
@@ -286,7 +286,7 @@ class Queue(Stage):
                 flags &= ~wire.PUB_BODY_REF
         body_size, prop_flags = wire.content_sizes(record)
         if type(payload) is Held:
-            body_size = bodies.decode_ref(record)[2]
+            body_size = payload.size
         priority = expiration = raw_expiration = None
         if prop_flags & props.PRIORITY_OR_EXPIRATION:
             priority, raw_expiration = props.priority_expiration(wire.content_props(record))
@@ -323,11 +323,12 @@ class Queue(Stage):
     # -- bodies by reference ---------------------------------------------------------------
     def hold(self, record) -> Held:
         """A publish by reference as this queue's ``Held`` payload."""
-        arena, at = bodies.arena_of(record)
+        a, at, size, _ = bodies.decode_ref(record)
+        arena = self.arenas[a]
         entry = arena.entry_of(at, self.holder) if self.holder else -1
         if entry < 0:           # its bytes may be another message's by now: never read them
             raise bodies.NotHolder(f"{self.name} got a body by reference at {at} with no word of its own")
-        return Held(record, arena, at, entry, self.batch_ns or time.monotonic_ns())
+        return Held(record, a, arena, at, size, entry, self.batch_ns or time.monotonic_ns())
 
     def let_go(self, payload) -> bytes:
         """The payload as a record carrying its own body; this queue's word in the slot is cleared."""
@@ -726,8 +727,7 @@ class Queue(Stage):
             waits.append(PAGE_ROUND_INTERVAL_NS / 1e9)
         if self.dl_pending and not self.alarms:
             waits.append(0.05)
-        st = self.core.statistics() if self.reader_links else None
-        if st is not None and st.messages_ready and st.consumers:
+        if self.reader_links and self.core.ready and self.core.consuming:
             waits.append(0.01)                  # covers a SPACE token lost in a race with a full ring
         return max(0.0, min(waits)) if waits else None
 
@@ -802,8 +802,7 @@ class Queue(Stage):
         ``TRIM_MIN_INTERVAL_NS``: memory follows the backlog down instead of
         waiting for it to empty. A backlog that has just emptied trims at once.
         """
-        st = self.core.statistics()
-        backlog = st.messages_ready + st.messages_unacknowledged
+        backlog = self.core.held
         if backlog > self.peak_messages:
             self.peak_messages = backlog
             self.drain_trim_owed |= backlog >= TRIM_MIN_PEAK_MESSAGES
