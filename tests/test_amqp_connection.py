@@ -334,6 +334,7 @@ def test_big_bodies_taken_as_they_arrive_are_the_same_however_the_bytes_are_spli
         at = cut
     assert got == expected
     assert [bytes(e.body) for e in got[:3]] == [bytes(e.body) for e in expected[:3]]
+    assert (conn.frames_in, conn.publishes) == (whole.frames_in, whole.publishes) == (17, 3)
 
 
 def test_a_big_body_frame_in_pieces_is_handed_on_in_those_pieces():
