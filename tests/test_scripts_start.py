@@ -41,3 +41,14 @@ def test_a_script_answers_help_with_its_usage(name):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: {name}"), done.stdout[:200]
+
+
+def test_parse_cost_reports_each_way_and_refuses_a_cut_outside_the_message():
+    run = [sys.executable, os.path.join(SCRIPTS, "parse_cost"), "--size", "20000", "-n", "50", "--repeats", "1"]
+    done = subprocess.run(run + ["--cut", "100"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("20,000 B bodies, 20,048 B a message, 50 messages")
+    assert [line.split("  ")[1].strip() for line in lines[1:]] == ["whole, one read", "cut after 100 B, two reads"]
+    bad = subprocess.run(run + ["--cut", "20048"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--cut must be 1-20047" in bad.stderr
