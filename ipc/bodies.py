@@ -38,6 +38,18 @@ first reuse behind it; allocation then fails and the reader sends the body
 inline, as before. While over half the arena is in use the allocator sets
 ``pressure``, and queues copy the bodies they hold out of the arena.
 
+A steady flow needs only the bodies in flight, so the allocator keeps to a
+*working span* at the start of the data area (WORKING_SPAN_BYTES; the whole
+area when it is smaller): once the head has gone past the span it comes back
+to the start, skipping the rest of the area as a wrap does, whenever the
+start is free. It goes on into the rest, the *reserve*, only while a backlog
+holds the start. A slow flow then cycles through pages it keeps, however big
+the arena; the reserve costs nothing until a backlog needs it, and its pages
+go back PUNCH_AFTER_MS after the backlog has left it (the head, having come
+back to the start, does not come round to them). The bytes skipped so are not
+in use: ``skipped`` counts those the tail has not passed yet, and what is in
+use is head - tail - skipped.
+
 Freed space goes back to the OS, but not at once: the allocator reuses
 the data area in a circle, and handing back pages it is about to come round
 to would only make the next bodies fault them in afresh. Space that has
@@ -60,7 +72,8 @@ Arena header, 64 bytes, written only by the allocator (and by the creator)::
     offset 24  u64 tail        bytes ever freed
     offset 32  u64 allocated   slots ever allocated
     offset 40  u64 refused     allocations refused for want of room
-    offset 48  u64 pressure    1 while head - tail > capacity / 2
+    offset 48  u64 pressure    1 while what is in use (head - tail - skipped) > capacity / 2
+    offset 56  u64 skipped     bytes skipped to come back to the start before the end, not yet passed by tail
 
 A slot at data[pos % capacity], pos a multiple of SLOT_ALIGN_BYTES::
 
@@ -78,6 +91,7 @@ from __future__ import annotations
 
 import struct
 import collections
+import time
 from dataclasses import dataclass
 
 from ipc.errors import CorruptRecord
@@ -90,12 +104,13 @@ QUEUE_ENTRIES = 6
 WRAP_MARKER = 0xFFFFFFFF
 MIN_CAPACITY_BYTES = 4 * SLOT_ALIGN_BYTES
 LIVENESS_IDS = 1 << 23                    # holder ids 1 .. LIVENESS_IDS - 1; the table is 1 MiB
+WORKING_SPAN_BYTES = 64 * 1024 * 1024     # the allocator comes back to the start past this, if it is free
 PUNCH_AFTER_MS = 1000                     # free space not reused for this long goes back to the OS
 PAGE_BYTES = 4096
 PUNCH_AFTER_NS = PUNCH_AFTER_MS * 1_000_000
 
 # header word indices (u64)
-_MAGIC, _CAP, _HEAD, _TAIL, _ALLOCATED, _REFUSED, _PRESSURE = range(7)
+_MAGIC, _CAP, _HEAD, _TAIL, _ALLOCATED, _REFUSED, _PRESSURE, _SKIPPED = range(8)
 # slot word indices (u32), relative to the slot's first word
 _SLOT_BYTES, _BODY_BYTES, _CHANNEL, _QUEUES, _ENTRIES = 0, 1, 2, 3, 4
 
@@ -111,7 +126,7 @@ def slot_bytes(body_bytes: int) -> int:
 @dataclass(frozen=True)
 class ArenaStatistics:
     capacity_bytes: int
-    used_bytes: int          # allocated and not yet freed (wrap skips included)
+    used_bytes: int          # allocated and not yet freed (a wrap's skip at the end of the area included)
     allocated: int           # slots ever allocated
     refused: int             # allocations refused: no room (the body went inline)
     pressure: bool           # over half full: holders copy their bodies out
@@ -146,10 +161,11 @@ class Arena:
     """
 
     __slots__ = ("mv", "capacity_bytes", "max_body_bytes", "_hdr", "_data", "_words", "liveness", "punch",
-                 "_punched_to", "_freed", "_pace_mark", "_pace")
+                 "_punched_to", "_freed", "_pace_mark", "_pace", "span_bytes", "_skips", "_reserve_free_since")
 
-    def __init__(self, buf, liveness: Liveness, *, create: bool, punch=None):
-        """``punch(start, length)``: give the pages of that byte range of ``buf`` back (None: keep them)."""
+    def __init__(self, buf, liveness: Liveness, *, create: bool, punch=None, span_bytes: int = WORKING_SPAN_BYTES):
+        """``punch(start, length)``: give the pages of that byte range of ``buf`` back (None: keep them);
+        ``span_bytes``: the working span (the whole data area when that is smaller)."""
         mv = memoryview(buf).cast("B")
         cap = (len(mv) - HEADER_BYTES) & -SLOT_ALIGN_BYTES
         if cap < MIN_CAPACITY_BYTES:
@@ -175,6 +191,12 @@ class Arena:
         self._freed: collections.deque = collections.deque()
         self._pace_mark = [0, hdr[_HEAD]]
         self._pace = (0, PUNCH_AFTER_NS)
+        # the working span; (position, when) of each skip back to the start the tail has not passed,
+        # oldest first; since when the reserve has held nothing after a backlog used it (0: in use; None:
+        # not used since its pages went back)
+        self.span_bytes = max(MIN_CAPACITY_BYTES, min(cap, span_bytes & -SLOT_ALIGN_BYTES))
+        self._skips: collections.deque = collections.deque()
+        self._reserve_free_since: int | None = None
 
     # -- the allocator ----------------------------------------------------------------------
     def alloc(self, body_bytes: int, channel: int) -> int | None:
@@ -187,6 +209,8 @@ class Arena:
         head = hdr[_HEAD]
         off = head % cap
         skip = cap - off if off + need > cap else 0
+        if not skip and off + need > self.span_bytes:
+            skip = self.back_to_start(head, off, need)
         if head + skip + need - hdr[_TAIL] > cap:
             self.reclaim()
             if head + skip + need - hdr[_TAIL] > cap:
@@ -203,9 +227,30 @@ class Arena:
         words[w + _CHANNEL] = channel
         hdr[_HEAD] = head + skip + need
         hdr[_ALLOCATED] += 1
-        if hdr[_HEAD] - hdr[_TAIL] > cap // 2:
+        if off + need > self.span_bytes:
+            self._reserve_free_since = 0        # a backlog is in the reserve: its pages go back once it has left
+        if hdr[_HEAD] - hdr[_TAIL] - hdr[_SKIPPED] > cap // 2:
             self.reclaim()
         return off
+
+    def back_to_start(self, head: int, off: int, need: int) -> int:
+        """Past the working span: the bytes to skip to the end of the data area so that the slot goes at
+        the start, when the start is free and at most half the span is in use; 0 (go on into the reserve)
+        otherwise. Until the tail has passed the skip, the head can only come up to the tail's offset:
+        with more in use (a backlog), coming back would leave the reserve out of reach."""
+        hdr = self._hdr
+        cap = self.capacity_bytes
+        skip = cap - off
+        if head + skip + need - hdr[_TAIL] > cap or head - hdr[_TAIL] - hdr[_SKIPPED] > self.span_bytes // 2:
+            self.reclaim()
+            if (head + skip + need - hdr[_TAIL] > cap
+                    or head - hdr[_TAIL] - hdr[_SKIPPED] > self.span_bytes // 2):
+                return 0
+        self._skips.append((head, time.monotonic_ns()))
+        hdr[_SKIPPED] += skip
+        if off > self.span_bytes and self._reserve_free_since is None:
+            self._reserve_free_since = 0            # the head leaves the reserve behind: its pages go back
+        return skip
 
     def reclaim(self, now_ns: int | None = None) -> int:
         """Free the oldest slots that nobody holds any more; return how many bytes came free. With the
@@ -225,10 +270,36 @@ class Arena:
             tail = head
         if tail != start:
             hdr[_TAIL] = tail
-        hdr[_PRESSURE] = 1 if head - tail > cap // 2 else 0
+        skips = self._skips
+        while skips and skips[0][0] < tail:       # the tail has jumped over that skip
+            hdr[_SKIPPED] -= cap - skips.popleft()[0] % cap
+        # pressed: over half in use, or a slot held since before a skip back to the start PUNCH_AFTER_MS
+        # ago keeps the tail from passing it (holders then copy out what they have held that long)
+        hdr[_PRESSURE] = 1 if (head - tail - hdr[_SKIPPED] > cap // 2 or (
+            skips and (now_ns or time.monotonic_ns()) - skips[0][1] > PUNCH_AFTER_NS)) else 0
         if now_ns is not None and self.punch is not None:
             self.return_pages(tail, head, now_ns)
+            if self._reserve_free_since is not None:
+                self.return_reserve(tail, head, now_ns)
         return tail - start
+
+    def return_reserve(self, tail: int, head: int, now_ns: int) -> None:
+        """Hand back the reserve's pages PUNCH_AFTER_MS after a backlog has left it: every slot in use then
+        lies in the working span, and the head, back at the start, does not come round to the reserve."""
+        cap = self.capacity_bytes
+        span = self.span_bytes
+        if tail == head and head % cap > span:
+            self._reserve_free_since = None       # idle in the reserve: it goes back as freed space does anywhere
+        elif tail // cap != head // cap or head % cap > span:
+            self._reserve_free_since = 0          # still in use (or the head is in it again)
+        elif not self._reserve_free_since:
+            self._reserve_free_since = now_ns
+        elif now_ns - self._reserve_free_since >= PUNCH_AFTER_NS:
+            lo = (HEADER_BYTES + span + PAGE_BYTES - 1) & -PAGE_BYTES
+            hi = (HEADER_BYTES + cap) & -PAGE_BYTES
+            if hi > lo:
+                self.punch(lo, hi - lo)
+            self._reserve_free_since = None
 
     def return_pages(self, tail: int, head: int, now_ns: int) -> None:
         freed = self._freed
@@ -254,7 +325,7 @@ class Arena:
     @property
     def returning(self) -> bool:
         """Whether freed space waits to go back to the OS (the allocator's timer keeps running for it)."""
-        return bool(self._freed)
+        return bool(self._freed) or self._reserve_free_since is not None
 
     def give_pages_back(self, start: int, end: int) -> None:
         """Punch the whole pages of freed positions [start, end) (at most one wrap of the data area)."""
@@ -376,8 +447,8 @@ class Arena:
 
     def statistics(self) -> ArenaStatistics:
         hdr = self._hdr
-        return ArenaStatistics(self.capacity_bytes, hdr[_HEAD] - hdr[_TAIL], hdr[_ALLOCATED], hdr[_REFUSED],
-                               bool(hdr[_PRESSURE]))
+        return ArenaStatistics(self.capacity_bytes, hdr[_HEAD] - hdr[_TAIL] - hdr[_SKIPPED], hdr[_ALLOCATED],
+                               hdr[_REFUSED], bool(hdr[_PRESSURE]))
 
     def release_views(self) -> None:
         """Drop this object's views so the mapping under it can close."""

@@ -266,9 +266,9 @@ def _add_broker_options(p: argparse.ArgumentParser) -> None:
                         "auth with the broker's users; 0: any free port; off: none). Default: serve 15672 (any "
                         "free port with --port 0), run off")
     g.add_argument("--arena-mb", type=arena_mb_arg, default=None, metavar="MIB",
-                   help="each reader host's arena for message bodies by reference (default 64; 0: every body "
-                        "by copy; bigger than a second of the flow costs page faults); smaller when /dev/shm has "
-                        "less than twice what they need free")
+                   help="each reader host's arena for message bodies by reference (default 256: a steady flow "
+                        "keeps to its first 64, a backlog has the rest; 0: every body by copy); smaller when "
+                        "/dev/shm has less than twice what they need free")
     g.add_argument("--scheduling", choices=("batch", "normal"), default="batch",
                    help="batch (default): readers, channels, queues and the store run under Linux's SCHED_BATCH, "
                         "so a stage that wakes another runs its turn out instead of being preempted; normal: "

@@ -207,6 +207,111 @@ def test_a_steady_flow_keeps_the_pages_it_comes_round_to_and_they_go_back_once_i
     assert sum(length for _, length in punched) >= a.capacity_bytes * 3 // 4 and not a.returning
 
 
+def spanned(capacity: int, span: int):
+    """An arena of ``capacity`` with a working span of ``span``, recording what it punches."""
+    live = Liveness(bytearray(liveness_bytes()))
+    punched = []
+    a = Arena(bytearray(arena_bytes(capacity)), live, create=True, span_bytes=span,
+              punch=lambda start, length: punched.append((start, length)))
+    return a, punched
+
+
+def test_a_steady_flow_stays_in_the_working_span_and_the_skips_are_not_counted_in_use():
+    a, punched = spanned(1024 * 1024, 256 * 1024)
+    size = 16 * 1024 - SLOT_HEADER_BYTES                   # 16 KiB slots: 16 to the span, 64 to the area
+    held = collections.deque()
+    offsets = set()
+    for i in range(200):
+        off = put(a, b"s" * size)
+        offsets.add(off)
+        held.append(off)
+        if len(held) > 3:
+            a.release_channel(held.popleft())
+            a.reclaim()
+        st = a.statistics()
+        assert st.used_bytes <= 4 * 16 * 1024 and not st.pressure, f"message {i}: {st}"
+    assert offsets == {k * 16 * 1024 for k in range(16)}    # the span's slots, over and over
+    assert a.statistics().refused == 0 and punched == []
+
+
+def test_a_backlog_goes_on_into_the_reserve_and_the_flow_comes_back_to_the_start_once_it_drains():
+    from ipc.bodies import PAGE_BYTES, PUNCH_AFTER_NS
+    a, punched = spanned(1024 * 1024, 256 * 1024)
+    size = 16 * 1024 - SLOT_HEADER_BYTES
+    backlog = [put(a, b"b" * size) for _ in range(40)]      # 640 KiB held: past the span, into the reserve
+    assert backlog[-1] == 39 * 16 * 1024 and a.statistics().used_bytes == 40 * 16 * 1024
+    assert a.statistics().pressure                         # over half the area really is in use
+    for off in backlog:
+        a.release_channel(off)
+    t = 10**12
+    assert put(a, b"n" * size) == 0                        # the start is free again: back to it
+    st = a.statistics()
+    assert st.used_bytes == 16 * 1024 and not st.pressure  # the skip to the end is not in use
+    a.reclaim(t)
+    assert a.statistics().used_bytes == 16 * 1024
+    a.reclaim(t + PUNCH_AFTER_NS - 1)
+    reserve = [(lo, n) for lo, n in punched if lo >= 256 * 1024]
+    assert reserve == []
+    a.reclaim(t + PUNCH_AFTER_NS)
+    lo = (HEADER_BYTES + 256 * 1024 + PAGE_BYTES - 1) & -PAGE_BYTES
+    assert (lo, ((HEADER_BYTES + a.capacity_bytes) & -PAGE_BYTES) - lo) in punched
+    assert put(a, b"n" * size) == 16 * 1024                # and the flow goes on in the span
+
+
+def test_a_reserve_a_new_backlog_uses_again_does_not_go_back_under_it():
+    from ipc.bodies import PUNCH_AFTER_NS
+    a, punched = spanned(1024 * 1024, 256 * 1024)
+    size = 16 * 1024 - SLOT_HEADER_BYTES
+    first = [put(a, b"1" * size) for _ in range(20)]        # into the reserve
+    for off in first:
+        a.release_channel(off)
+    t = 10**12
+    assert put(a, b"2" * size) == 0
+    a.reclaim(t)
+    second = [put(a, b"2" * size) for _ in range(30)]       # a new backlog: the start is held, on past the span
+    assert second[-1] == 30 * 16 * 1024
+    for i in range(1, 25):
+        a.reclaim(t + i * PUNCH_AFTER_NS // 10)
+    in_use = (HEADER_BYTES + 16 * 1024, HEADER_BYTES + 31 * 16 * 1024)
+    assert punched and all(lo >= in_use[1] or lo + n <= in_use[0] for lo, n in punched), punched
+    assert a.held_slots()[0] == 31                         # only what lies beyond the new backlog went back
+
+
+def test_with_over_half_the_span_in_use_the_head_goes_on_into_the_reserve_though_the_start_is_free():
+    a, _ = spanned(1024 * 1024, 256 * 1024)
+    size = 16 * 1024 - SLOT_HEADER_BYTES
+    slots = [put(a, b"h" * size) for _ in range(16)]        # the whole span
+    for off in slots[:2]:
+        a.release_channel(off)
+    a.reclaim()
+    assert put(a, b"h" * size) == 256 * 1024               # 14 held: coming back would strand the reserve
+
+
+def test_a_slot_held_from_before_a_skip_back_to_the_start_presses_the_arena_after_a_second():
+    import time
+    from ipc.bodies import PUNCH_AFTER_NS
+    a, _ = spanned(1024 * 1024, 256 * 1024)
+    size = 16 * 1024 - SLOT_HEADER_BYTES
+    stuck = None
+    for i in range(16):
+        off = put(a, b"k" * size)
+        if i == 13:
+            stuck = off                                    # an unacked body, say, near the span's end
+        else:
+            a.release_channel(off)
+    assert put(a, b"k" * size) == 0                        # little in use: back to the start
+    now = time.monotonic_ns()
+    a.reclaim(now)
+    st = a.statistics()
+    assert st.used_bytes == 4 * 16 * 1024 and not st.pressure    # the stuck slot, the two freed behind it, the new
+    a.reclaim(now + PUNCH_AFTER_NS + 10**8)
+    assert a.statistics().pressure                         # queues copy out what they held that long
+    a.release_channel(stuck)
+    a.reclaim(now + PUNCH_AFTER_NS + 2 * 10**8)
+    st = a.statistics()
+    assert st.used_bytes == 16 * 1024 and not st.pressure
+
+
 def test_arenas_shrink_to_half_of_what_dev_shm_has_free_and_go_away_below_four_mib(monkeypatch):
     import os
 

@@ -33,7 +33,8 @@ REF_MIN_BODY_BYTES = 8192          # below this the copies cost less than the sl
 MIB = 1024 * 1024
 MIN_ARENA_BYTES = 4 * MIB
 MAX_ARENA_MB = 2048                 # slot offsets in a reference are u32
-ARENA_MB = 64                      # per reader host: a consumer's unacked window of big bodies fits
+ARENA_MB = 256                     # per reader host: a steady flow keeps to the first 64 (ipc.bodies'
+                                   # working span), a backlog of big bodies has the rest
 
 
 class NotHolder(RuntimeError):
