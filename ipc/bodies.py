@@ -42,13 +42,17 @@ A steady flow needs only the bodies in flight, so the allocator keeps to a
 *working span* at the start of the data area (WORKING_SPAN_BYTES; the whole
 area when it is smaller): once the head has gone past the span it comes back
 to the start, skipping the rest of the area as a wrap does, whenever the
-start is free. It goes on into the rest, the *reserve*, only while a backlog
-holds the start. A slow flow then cycles through pages it keeps, however big
+start is free and at most half the span is in use (until the tail has passed
+the skip, the head can only come up to the tail's offset, so coming back with
+more in use would leave the rest out of reach). It goes on into the rest, the
+*reserve*, only while a backlog needs it. A slow flow then cycles through pages it keeps, however big
 the arena; the reserve costs nothing until a backlog needs it, and its pages
 go back PUNCH_AFTER_MS after the backlog has left it (the head, having come
 back to the start, does not come round to them). The bytes skipped so are not
 in use: ``skipped`` counts those the tail has not passed yet, and what is in
-use is head - tail - skipped.
+use is head - tail - skipped. A skip the tail has not passed for
+PUNCH_AFTER_MS (a slot held since before it) sets ``pressure`` too, so its
+holder copies the body out as it would from a full arena.
 
 Freed space goes back to the OS, but not at once: the allocator reuses
 the data area in a circle, and handing back pages it is about to come round
@@ -72,7 +76,7 @@ Arena header, 64 bytes, written only by the allocator (and by the creator)::
     offset 24  u64 tail        bytes ever freed
     offset 32  u64 allocated   slots ever allocated
     offset 40  u64 refused     allocations refused for want of room
-    offset 48  u64 pressure    1 while what is in use (head - tail - skipped) > capacity / 2
+    offset 48  u64 pressure    1 while what is in use (head - tail - skipped) > capacity / 2, or a skip waits
     offset 56  u64 skipped     bytes skipped to come back to the start before the end, not yet passed by tail
 
 A slot at data[pos % capacity], pos a multiple of SLOT_ALIGN_BYTES::
@@ -229,7 +233,7 @@ class Arena:
         hdr[_ALLOCATED] += 1
         if off + need > self.span_bytes:
             self._reserve_free_since = 0        # a backlog is in the reserve: its pages go back once it has left
-        if hdr[_HEAD] - hdr[_TAIL] - hdr[_SKIPPED] > cap // 2:
+        if self.in_use_bytes() > cap // 2:
             self.reclaim()
         return off
 
@@ -241,10 +245,12 @@ class Arena:
         hdr = self._hdr
         cap = self.capacity_bytes
         skip = cap - off
-        if head + skip + need - hdr[_TAIL] > cap or head - hdr[_TAIL] - hdr[_SKIPPED] > self.span_bytes // 2:
+
+        def fits() -> bool:
+            return head + skip + need - hdr[_TAIL] <= cap and self.in_use_bytes() <= self.span_bytes // 2
+        if not fits():
             self.reclaim()
-            if (head + skip + need - hdr[_TAIL] > cap
-                    or head - hdr[_TAIL] - hdr[_SKIPPED] > self.span_bytes // 2):
+            if not fits():
                 return 0
         self._skips.append((head, time.monotonic_ns()))
         hdr[_SKIPPED] += skip
@@ -275,7 +281,7 @@ class Arena:
             hdr[_SKIPPED] -= cap - skips.popleft()[0] % cap
         # pressed: over half in use, or a slot held since before a skip back to the start PUNCH_AFTER_MS
         # ago keeps the tail from passing it (holders then copy out what they have held that long)
-        hdr[_PRESSURE] = 1 if (head - tail - hdr[_SKIPPED] > cap // 2 or (
+        hdr[_PRESSURE] = 1 if (self.in_use_bytes() > cap // 2 or (
             skips and (now_ns or time.monotonic_ns()) - skips[0][1] > PUNCH_AFTER_NS)) else 0
         if now_ns is not None and self.punch is not None:
             self.return_pages(tail, head, now_ns)
@@ -441,14 +447,19 @@ class Arena:
         """Whether any slot is not yet freed (held, or let go and not reclaimed yet)."""
         return self._hdr[_HEAD] != self._hdr[_TAIL]
 
+    def in_use_bytes(self) -> int:
+        """Bytes allocated and not freed yet: head - tail, less the skips back to the start in between."""
+        hdr = self._hdr
+        return hdr[_HEAD] - hdr[_TAIL] - hdr[_SKIPPED]
+
     @property
     def pressure(self) -> bool:
         return bool(self._hdr[_PRESSURE])
 
     def statistics(self) -> ArenaStatistics:
         hdr = self._hdr
-        return ArenaStatistics(self.capacity_bytes, hdr[_HEAD] - hdr[_TAIL] - hdr[_SKIPPED], hdr[_ALLOCATED],
-                               hdr[_REFUSED], bool(hdr[_PRESSURE]))
+        return ArenaStatistics(self.capacity_bytes, self.in_use_bytes(), hdr[_ALLOCATED], hdr[_REFUSED],
+                               bool(hdr[_PRESSURE]))
 
     def release_views(self) -> None:
         """Drop this object's views so the mapping under it can close."""
