@@ -321,6 +321,20 @@ class _Assembly:
         self.oversized = False
 
 
+_BAD_PROPERTIES = object()
+
+
+def _checked_mode(props_raw):
+    """The delivery mode of a content header's properties (None: not set); _BAD_PROPERTIES when they do not
+    decode (the fast path then leaves the frame to the general path, which reports it)."""
+    if len(props_raw) == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
+        return props_raw[2]                     # delivery mode alone: the common case
+    try:
+        return frames.check_properties(props_raw)
+    except FrameError:
+        return _BAD_PROPERTIES
+
+
 def _unexpected(explanation: str, key: tuple[int, int] = (0, 0)) -> ConnectionLevelError:
     return ConnectionLevelError(E.UNEXPECTED_FRAME, reply_text(E.UNEXPECTED_FRAME, explanation), *key)
 
@@ -580,16 +594,20 @@ class ServerConnection:
         else:
             ftype, channel, size = _FRAME_HEAD.unpack_from(buf, pos)
             if ftype == 3 and size >= STREAM_BODY_MIN_BYTES and self._streams(channel, size):
-                self._pos = pos + frames.FRAME_HEADER_BYTES
-                self._stream_left = size + 1
-                self._stream_channel = channel
-                self._stream_head = b""         # its first 16 octets, as they come, for a frame error's text
+                self._begin_stream(channel, size, pos)
                 return True
             self._need_bytes = frames.FRAME_OVERHEAD_BYTES + size
         if self._chunks and have + self._chunk_bytes >= self._need_bytes:
             self._join()
             return True
         return False
+
+    def _begin_stream(self, channel: int, size: int, pos: int) -> None:
+        """Take the body frame of ``size`` on ``channel`` whose header is at ``pos`` as its bytes arrive."""
+        self._pos = pos + frames.FRAME_HEADER_BYTES
+        self._stream_left = size + 1
+        self._stream_channel = channel
+        self._stream_head = b""                 # its first 16 octets, as they come, for a frame error's text
 
     def _streams(self, channel: int, size: int) -> bool:
         """Whether a body frame of ``size`` on ``channel`` may be taken as it arrives: only one the whole-frame
@@ -909,13 +927,9 @@ class ServerConnection:
             # a big body is handed on as a view of the bytes read (copied once, where it goes next)
             body = buf[bpos + 7:nxt - 1] if body_size < VIEW_BODY_MIN_BYTES else memoryview(buf)[bpos + 7:nxt - 1]
         props_raw = buf[hpos + 19:hend]
-        if len(props_raw) == 3 and props_raw[0] == 0x10 and props_raw[1] == 0:
-            mode = props_raw[2]                  # delivery mode alone: the common case
-        else:
-            try:
-                mode = frames.check_properties(props_raw)
-            except FrameError:
-                return None
+        mode = _checked_mode(props_raw)
+        if mode is _BAD_PROPERTIES:
+            return None
         self._pos = nxt
         self.frames_in += 3 if body_size else 2
         self.publishes += 1
@@ -932,9 +946,8 @@ class ServerConnection:
         if ftype != 3 or bch != channel or bsize != body_size:
             return
         props_raw = buf[hpos + 19:hend]
-        try:
-            mode = frames.check_properties(props_raw)
-        except FrameError:
+        mode = _checked_mode(props_raw)
+        if mode is _BAD_PROPERTIES:
             return
         asm = _Assembly(buf[o + 1:e], buf[e + 1:r], bool(buf[r] & 1))
         asm.size = body_size
@@ -942,10 +955,7 @@ class ServerConnection:
         asm.delivery_mode = mode
         self._assembly[channel] = asm
         self.frames_in += 2
-        self._pos = bpos + frames.FRAME_HEADER_BYTES
-        self._stream_left = body_size + 1
-        self._stream_channel = channel
-        self._stream_head = b""
+        self._begin_stream(channel, body_size, bpos)
 
     def _content_state(self, channel: int) -> _Assembly | None:
         """The assembly a content frame on ``channel`` belongs to; None if the frame is to be dropped."""
